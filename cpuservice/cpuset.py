@@ -1,0 +1,157 @@
+"""An immutable set of CPU (or NUMA node) ids.
+
+Speaks the Linux cpu-list format (``"0-3,8,10-11"``) and systemd's ``AllowedCPUs`` byte mask
+(byte ``c // 8``, bit ``c % 8``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+MAX_CPU_ID = 8191  # the kernel's largest NR_CPUS
+
+
+class CPUSetError(ValueError):
+    """A cpu-list string or mask that cannot be parsed; the message names the bad part."""
+
+
+def _parse_id(text: str, part: str) -> int:
+    if not text.isascii() or not text.isdigit():
+        raise CPUSetError(f"bad CPU id {text!r} in {part!r}")
+    value = int(text)
+    if value > MAX_CPU_ID:
+        raise CPUSetError(f"CPU id {value} in {part!r} is larger than {MAX_CPU_ID}")
+    return value
+
+
+class CPUSet:
+    """Sorted, hashable, immutable set of non-negative ids with set algebra."""
+
+    __slots__ = ("_ids", "_sorted")
+
+    def __init__(self, ids: Iterable[int] = ()) -> None:
+        frozen = frozenset(ids)
+        for cpu in frozen:
+            if not isinstance(cpu, int) or cpu < 0 or cpu > MAX_CPU_ID:
+                raise CPUSetError(f"CPU id {cpu!r} is out of range 0..{MAX_CPU_ID}")
+        self._ids = frozen
+        self._sorted: tuple[int, ...] | None = None
+
+    @classmethod
+    def _trusted(cls, ids: frozenset[int]) -> CPUSet:
+        """Wrap ids that are already known to be valid (results of set algebra)."""
+        new = cls.__new__(cls)
+        new._ids = ids
+        new._sorted = None
+        return new
+
+    @classmethod
+    def parse(cls, text: str) -> CPUSet:
+        """Parse the Linux cpu-list format; ``""`` and a trailing newline are accepted."""
+        body = text.strip()
+        if not body:
+            return EMPTY
+        ids: set[int] = set()
+        for part in body.split(","):
+            if not part:
+                raise CPUSetError(f"empty element in cpu list {text.strip()!r}")
+            first, sep, last = part.partition("-")
+            low = _parse_id(first, part)
+            high = _parse_id(last, part) if sep else low
+            if high < low:
+                raise CPUSetError(f"descending range {part!r}")
+            ids.update(range(low, high + 1))
+        return cls._trusted(frozenset(ids))
+
+    @classmethod
+    def from_mask(cls, mask: bytes) -> CPUSet:
+        """Decode systemd's little-endian byte mask."""
+        if len(mask) > (MAX_CPU_ID + 1) // 8:
+            raise CPUSetError(f"mask of {len(mask)} bytes is larger than {MAX_CPU_ID + 1} CPUs")
+        ids = [i * 8 + bit for i, byte in enumerate(mask) for bit in range(8) if byte >> bit & 1]
+        return cls._trusted(frozenset(ids))
+
+    def to_mask(self) -> bytes:
+        """Encode as systemd's little-endian byte mask (empty set -> empty bytes)."""
+        if not self._ids:
+            return b""
+        out = bytearray(max(self._ids) // 8 + 1)
+        for cpu in self._ids:
+            out[cpu // 8] |= 1 << (cpu % 8)
+        return bytes(out)
+
+    def format(self) -> str:
+        """The canonical cpu-list string, ranges collapsed."""
+        parts: list[str] = []
+        ids = self.sorted()
+        i = 0
+        while i < len(ids):
+            j = i
+            while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+                j += 1
+            parts.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+            i = j + 1
+        return ",".join(parts)
+
+    def sorted(self) -> tuple[int, ...]:
+        if self._sorted is None:
+            self._sorted = tuple(sorted(self._ids))
+        return self._sorted
+
+    @property
+    def ids(self) -> frozenset[int]:
+        return self._ids
+
+    def __str__(self) -> str:
+        return self.format()
+
+    def __repr__(self) -> str:
+        return f"CPUSet({self.format()!r})"
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.sorted())
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    def __contains__(self, cpu: object) -> bool:
+        return cpu in self._ids
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CPUSet) and self._ids == other._ids
+
+    def __hash__(self) -> int:
+        return hash(self._ids)
+
+    def __or__(self, other: CPUSet) -> CPUSet:
+        return CPUSet._trusted(self._ids | other._ids)
+
+    def __and__(self, other: CPUSet) -> CPUSet:
+        return CPUSet._trusted(self._ids & other._ids)
+
+    def __sub__(self, other: CPUSet) -> CPUSet:
+        return CPUSet._trusted(self._ids - other._ids)
+
+    def __le__(self, other: CPUSet) -> bool:
+        return self._ids <= other._ids
+
+    def __ge__(self, other: CPUSet) -> bool:
+        return self._ids >= other._ids
+
+    def isdisjoint(self, other: CPUSet) -> bool:
+        return self._ids.isdisjoint(other._ids)
+
+    @staticmethod
+    def union_all(sets: Iterable[CPUSet]) -> CPUSet:
+        """Union of any number of sets."""
+        return CPUSet._trusted(frozenset().union(*(s._ids for s in sets)))
+
+    def first(self) -> int:
+        """The smallest id; the set must not be empty."""
+        return self.sorted()[0]
+
+
+EMPTY = CPUSet._trusted(frozenset())

@@ -1,0 +1,29 @@
+"""Typed errors; each carries the D-Bus error name a caller sees."""
+
+from __future__ import annotations
+
+
+class CPUServiceError(Exception):
+    """Base of every error a caller may see; the message is meant for a person."""
+
+    dbus_name = "org.cpuservice1.Error.Failed"
+
+
+class InvalidArgument(CPUServiceError):
+    dbus_name = "org.cpuservice1.Error.InvalidArgument"
+
+
+class InsufficientCPUs(CPUServiceError):
+    dbus_name = "org.cpuservice1.Error.InsufficientCPUs"
+
+
+class NoSuchAllocation(CPUServiceError):
+    dbus_name = "org.cpuservice1.Error.NoSuchAllocation"
+
+
+class AllocationExists(CPUServiceError):
+    dbus_name = "org.cpuservice1.Error.AllocationExists"
+
+
+class SystemdFailure(CPUServiceError):
+    dbus_name = "org.cpuservice1.Error.SystemdFailure"

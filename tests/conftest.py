@@ -1,0 +1,36 @@
+"""Shared test helpers: fixture machines and the CI rule that a skipped tier is a failure."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cpuservice.fixtures import write_sysfs
+from cpuservice.topology import Topology, discover
+
+
+def unavailable(reason: str) -> None:
+    """Skip a tier that cannot run here; under CI=true that is a failure instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"tier cannot run under CI: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def sysfs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("sysfs")
+
+
+@pytest.fixture(scope="session")
+def machine(sysfs_dir: Path):  # type: ignore[no-untyped-def]
+    """machine("b") -> the Topology of fixture machine b."""
+    cache: dict[str, Topology] = {}
+
+    def get(name: str) -> Topology:
+        if name not in cache:
+            cache[name] = discover(write_sysfs(sysfs_dir / name, name))
+        return cache[name]
+
+    return get
