@@ -276,7 +276,7 @@ def _take_in_nodes(
 ) -> list[int]:
     if len(cands) < n:
         what = "whole free cores" if opts.policy == "full-pcpus" else "CPUs"
-        raise InsufficientCPUs(f"{n} CPUs requested but only {len(cands)} {what} are available")
+        raise _shortage(ledger, f"{n} CPUs requested but only {len(cands)} {what} are available")
     nodes = _choose_nodes(topology, ledger, cands, n, opts, anchor)
     near = anchor.ids
     if nodes is None:
@@ -492,7 +492,15 @@ def take_fragment(
         return Fragment(chosen[0], pieces)
     if best is not None:
         return Fragment(best, pieces)
-    raise InsufficientCPUs(f"no CPU has {pieces} free pieces (of {g}) for this fragment")
+    raise _shortage(ledger, f"no CPU has {pieces} free pieces (of {g}) for this fragment")
+
+
+def _shortage(ledger: Ledger, message: str) -> InsufficientCPUs:
+    if not ledger.shared_budget:
+        message += (
+            f"; the shared pool is at its minimum (min_shared_cpus={ledger.min_shared_cpus})"
+        )
+    return InsufficientCPUs(message)
 
 
 class _Rank:
