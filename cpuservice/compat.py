@@ -34,19 +34,14 @@ def load(cls: type[M], data: Mapping[str, Any]) -> M:
     """Validate ``data`` into ``cls``; raises ValidationError."""
     if PYDANTIC_V2:
         return cls.model_validate(dict(data))
-    return cls.parse_obj(dict(data))  # type: ignore[attr-defined, no-any-return]
+    return cls.parse_obj(dict(data))
 
 
 def dump(model: pydantic.BaseModel, by_alias: bool = True) -> dict[str, Any]:
     """The model's fields as a plain dict (Python values, not JSON)."""
     if PYDANTIC_V2:
         return model.model_dump(by_alias=by_alias)
-    return model.dict(by_alias=by_alias)  # type: ignore[no-any-return]
-
-
-def replace(model: M, **changes: Any) -> M:
-    """A copy of ``model`` with some fields changed and validated again."""
-    return load(type(model), {**dump(model, by_alias=False), **changes})
+    return model.dict(by_alias=by_alias)
 
 
 def field_aliases(cls: type[pydantic.BaseModel]) -> dict[str, str]:

@@ -226,7 +226,7 @@ def _explicit(topology: Topology, ledger: Ledger, cpuset: CPUSet) -> CPUSet:
     return cpuset
 
 
-def _candidates(topology: Topology, ledger: Ledger, opts: Options, avoid: str) -> set[int]:
+def candidates(topology: Topology, ledger: Ledger, opts: Options, avoid: str) -> set[int]:
     """CPUs this request may take whole, after exclusivity (``avoid``: none|pcpu|numa) and
     policy filters."""
     free = set(ledger.takeable.ids)
@@ -258,7 +258,7 @@ def take_whole(
     attempts = ("numa", "pcpu") if opts.exclusive == "numa" else (opts.exclusive,)
     error = InsufficientCPUs("no CPUs")
     for avoid in attempts:
-        cands = _candidates(topology, ledger, opts, avoid) - anchor.ids
+        cands = candidates(topology, ledger, opts, avoid) - anchor.ids
         try:
             return CPUSet(_take_in_nodes(topology, ledger, cands, n, opts, anchor))
         except InsufficientCPUs as exc:
@@ -285,7 +285,7 @@ def _take_in_nodes(
     if opts.numa_strategy == "distribute-evenly" and len(nodes) > 1:
         per_node = {x: [c for c in cands if node_of[c] == x] for x in nodes}
         out: list[int] = []
-        for x, quota in zip(nodes, _even_split([len(per_node[x]) for x in nodes], n)):
+        for x, quota in zip(nodes, _even_split([len(per_node[x]) for x in nodes], n), strict=False):
             out += _pick(topology, per_node[x], quota, near | frozenset(out), opts.policy)
         return out
     chosen = set(nodes)

@@ -124,7 +124,9 @@ class Ledger:
 
     def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
         """The same allocations on another online set; callers repair what that breaks."""
-        return replace(self, online=online, isolated=self.isolated if isolated is None else isolated)
+        if isolated is None:
+            isolated = self.isolated
+        return replace(self, online=online, isolated=isolated)
 
 
 def check_invariants(ledger: Ledger) -> None:

@@ -192,9 +192,8 @@ def discover(sysfs_root: str | Path = "/sys", previous: Topology | None = None) 
             raw[c] = (("unknown", c), ("unknown", c), UNKNOWN, UNKNOWN,
                       node_of.get(c, default_node))
             continue
-        core_key = _peer_key(previous, fresh, c, "core", 0)
-        l3_key = _peer_key(previous, fresh, c, "l3", 1)
-        raw[c] = (core_key, l3_key, known.socket, known.die, known.node)
+        raw[c] = (_peer_key(previous, fresh, c, "core", 0), _peer_key(previous, fresh, c, "l3", 1),
+                  known.socket, known.die, known.node)
 
     core_index = _dense({c: r[0] for c, r in raw.items()})
     l3_index = _dense({c: r[1] for c, r in raw.items()})

@@ -20,7 +20,9 @@ def bind(cpus: str, **options: Any) -> Request:
     return Request.parse(cpus, {"bind": True, **opts})
 
 
-def alloc(topology: Topology, ledger: Ledger, name: str, request: Request) -> tuple[Ledger, Allocation]:
+def alloc(
+    topology: Topology, ledger: Ledger, name: str, request: Request
+) -> tuple[Ledger, Allocation]:
     new, a = placement.allocate(topology, ledger, name, request)
     check_invariants(new)
     return new, a

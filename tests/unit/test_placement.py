@@ -229,15 +229,16 @@ def test_isolated_cpus_only_for_bound(machine) -> None:
     t = machine("d")
     ledger = ledger_for(t)
     assert not ledger.shared & t.isolated
-    ledger, a = alloc(t, ledger, "iso", bind("2", cpuset="20-21"))
+    ledger, _a = alloc(t, ledger, "iso", bind("2", cpuset="20-21"))
     ledger, u = alloc(t, ledger, "u", Request.parse("2"))
     assert not placement.describe(t, ledger, u).cpus & t.isolated
 
 
 def test_capacity(machine) -> None:
+    import tempfile
+
     from cpuservice.fixtures import Machine, write_sysfs
     from cpuservice.topology import discover
-    import tempfile
 
     t = discover(write_sysfs(tempfile.mkdtemp(), Machine(2, 2, nodes=2)))
     ledger = ledger_for(t, min_shared_cpus=0)
@@ -267,7 +268,7 @@ def test_resize_keeps_cpus(machine) -> None:
     assert shrunk.fragment is not None and shrunk.fragment.pieces == 50
     ledger, again = placement.resize(t, ledger, "a", Decimal("2.7"))
     assert again.fragment is not None and again.fragment.cpu == shrunk.fragment.cpu
-    ledger, u = alloc(t, ledger, "u", Request.parse("1"))
+    ledger, _u = alloc(t, ledger, "u", Request.parse("1"))
     ledger, u2 = placement.resize(t, ledger, "u", Decimal("3"))
     assert placement.describe(t, ledger, u2).cpu_quota_usec == 3_000_000
     with pytest.raises(NoSuchAllocation):

@@ -1,0 +1,40 @@
+# cpuservice developer targets. `bash scripts/test.sh` sets everything up and runs `make test`.
+PY      := .venv/bin/python
+DEBPY   := /usr/bin/python3
+PYTEST  := -m pytest -q -p no:cacheprovider
+
+.PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
+        bench-placement run
+
+setup:
+	bash scripts/install-deps.sh all
+	bash scripts/setup-venv.sh
+
+lint:
+	$(PY) -m ruff check cpuservice bench tests
+	$(PY) -m mypy
+
+test: lint test-unit test-integration test-lab
+
+test-unit: test-unit-venv test-unit-debian
+
+# pydantic 2.x / dbus-fast 5.x from PyPI
+test-unit-venv:
+	$(PY) $(PYTEST) tests/unit
+
+# Debian 12's own pydantic 1.10.4 / dbus-fast 1.84.2 / pytest / hypothesis
+test-unit-debian:
+	$(DEBPY) -c 'import pydantic, sys; sys.exit(not pydantic.VERSION.startswith("1."))'
+	PYTHONPATH=$(CURDIR) $(DEBPY) $(PYTEST) tests/unit
+
+test-integration:
+	$(PY) $(PYTEST) tests/integration
+
+test-lab:
+	$(PY) $(PYTEST) tests/lab
+
+bench-placement:
+	$(PY) bench/placement.py
+
+run:
+	bash scripts/run.sh

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Install what a tier needs from Debian 12's packages (idempotent; run as root).
+#   scripts/install-deps.sh base|unit|integration|lab|all ...
+set -euo pipefail
+declare -A PKGS=(
+  [base]="make python3 python3-venv python3-pip"
+  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis"
+  [integration]="systemd systemd-container dbus polkitd util-linux"
+  [lab]="qemu-system-x86 debootstrap linux-image-amd64 e2fsprogs"
+)
+want=()
+for tier in "${@:-all}"; do
+  if [ "$tier" = all ]; then want+=(${PKGS[base]} ${PKGS[unit]} ${PKGS[integration]} ${PKGS[lab]})
+  else want+=(${PKGS[base]} ${PKGS[$tier]}); fi
+done
+missing=()
+for p in "${want[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "installing: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
