@@ -1,0 +1,199 @@
+"""Container host: this machine's own OS booted under systemd-nspawn on a throwaway overlay of /.
+
+Real systemd as PID 1, the real system dbus-daemon and polkitd; the checkout is bound in at the
+same path. Everything it creates (processes, mounts, cgroup directories) is removed by stop().
+
+    python -m tests.envs.container shell     # boot one, open a shell in it, tear it down after
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+CGROUP_ROOTS = {"name=systemd": "/sys/fs/cgroup/systemd", "": "/sys/fs/cgroup/unified"}
+
+
+class ContainerError(RuntimeError):
+    pass
+
+
+def _own_cgroup_dirs() -> list[Path]:
+    """The cgroup directories this process lives in (where nspawn puts payload/, supervisor/)."""
+    dirs = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers in CGROUP_ROOTS and Path(CGROUP_ROOTS[controllers]).is_dir():
+            dirs.append(Path(CGROUP_ROOTS[controllers] + path))
+    return dirs
+
+
+def _cgroup_tree() -> set[Path]:
+    found: set[Path] = set()
+    for top in _own_cgroup_dirs():
+        for root, subdirs, _ in os.walk(top):
+            found.update(Path(root, d) for d in subdirs)
+    return found
+
+
+class ContainerHost:
+    """One booted container; use as a context manager or call start()/stop()."""
+
+    def __init__(self, name: str = "cpuservice-test", binds: Sequence[Path] = (CHECKOUT,)):
+        self.name = name
+        self.binds = list(binds)
+        self.base: Path | None = None
+        self.nspawn: subprocess.Popen[bytes] | None = None
+        self.pid1 = 0
+        self.boot_seconds = 0.0
+        self._cgroups_before: set[Path] = set()
+        self._mounts: list[Path] = []
+        self._log: IO[bytes] | None = None
+
+    @property
+    def root(self) -> Path:
+        """The container's root as this host sees it (through PID 1's mount namespace)."""
+        return Path(f"/proc/{self.pid1}/root")
+
+    @property
+    def bus_address(self) -> str:
+        """The container's system bus, reachable from the host."""
+        return f"unix:path={self.root}/run/dbus/system_bus_socket"
+
+    def start(self, timeout: float = 60) -> ContainerHost:
+        began = time.monotonic()
+        self._cgroups_before = _cgroup_tree()
+        self.base = Path(tempfile.mkdtemp(prefix="cpuservice-ct-", dir="/var/tmp"))
+        upper, root = self.base / "t", self.base / "root"
+        upper.mkdir()
+        root.mkdir()
+        try:
+            self._mount(["-t", "tmpfs", "tmpfs", str(upper)], upper)
+            (upper / "up").mkdir()
+            (upper / "work").mkdir()
+            self._mount(["-t", "overlay", "overlay", "-o",
+                         f"lowerdir=/,upperdir={upper}/up,workdir={upper}/work", str(root)], root)
+            (root / "etc/hostname").write_text(self.name + "\n")
+            self._log = open(self.base / "nspawn.log", "wb")  # noqa: SIM115 - closed by stop()
+            self.nspawn = subprocess.Popen(
+                ["systemd-nspawn", "-D", str(root), "-b", "--register=no", "--keep-unit",
+                 "--link-journal=no", "-M", self.name, "--console=pipe",
+                 *[f"--bind={b}" for b in self.binds]],
+                stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            self._wait_running(began + timeout)
+        except BaseException:
+            self.stop()
+            raise
+        self.boot_seconds = time.monotonic() - began
+        return self
+
+    def _mount(self, args: list[str], target: Path) -> None:
+        subprocess.run(["mount", *args], check=True)
+        self._mounts.append(target)
+
+    def _wait_running(self, deadline: float) -> None:
+        assert self.nspawn is not None
+        while time.monotonic() < deadline:
+            if self.nspawn.poll() is not None:
+                raise ContainerError(f"systemd-nspawn exited: {self.log_tail()}")
+            if not self.pid1:
+                self.pid1 = self._find_pid1()
+            if self.pid1:
+                state = self.run(["systemctl", "is-system-running"], check=False).stdout.strip()
+                if state in ("running", "degraded"):
+                    return
+            time.sleep(0.05)
+        raise ContainerError(f"container did not boot in time: {self.log_tail()}")
+
+    def _find_pid1(self) -> int:
+        assert self.nspawn is not None
+        for task in Path(f"/proc/{self.nspawn.pid}/task").glob("*/children"):
+            for child in task.read_text().split():
+                if Path(f"/proc/{child}/comm").read_text().strip() == "systemd":
+                    return int(child)
+        return 0
+
+    def log_tail(self) -> str:
+        if self.base is None or not (self.base / "nspawn.log").exists():
+            return ""
+        return (self.base / "nspawn.log").read_text(errors="replace")[-2000:]
+
+    def run(
+        self, argv: Sequence[str], check: bool = True, timeout: float = 120, **kw: object
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a command inside the container (all its namespaces)."""
+        result = subprocess.run(
+            ["nsenter", "-t", str(self.pid1), "-a", *argv],
+            capture_output=True, text=True, timeout=timeout, **kw,  # type: ignore[call-overload]
+        )
+        if check and result.returncode != 0:
+            raise ContainerError(
+                f"{' '.join(argv)} failed ({result.returncode}): {result.stderr.strip()}"
+            )
+        return result  # type: ignore[no-any-return]
+
+    def stop(self, timeout: float = 30) -> None:
+        """Power off, end nspawn (by PID, if it lingers), unmount, remove its cgroup dirs."""
+        if self.nspawn is not None and self.nspawn.poll() is None:
+            if self.pid1:
+                with contextlib.suppress(Exception):
+                    self.run(["systemctl", "poweroff", "--no-block"], check=False, timeout=10)
+            try:
+                self.nspawn.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.nspawn.pid, signal.SIGKILL)
+                self.nspawn.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        for target in reversed(self._mounts):
+            subprocess.run(["umount", str(target)], check=False)
+        self._mounts.clear()
+        if self.base is not None:
+            for d in (self.base / "t", self.base / "root"):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
+            with contextlib.suppress(OSError):
+                (self.base / "nspawn.log").unlink()
+                self.base.rmdir()
+        for leftover in sorted(_cgroup_tree() - self._cgroups_before, key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                leftover.rmdir()
+        self.pid1 = 0
+
+    def __enter__(self) -> ContainerHost:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def booted(name: str = "cpuservice-test") -> Iterator[ContainerHost]:
+    with ContainerHost(name) as host:
+        yield host
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] != ["shell"]:
+        print(__doc__)
+        return 2
+    with booted("cpuservice-shell") as host:
+        print(f"booted in {host.boot_seconds:.1f} s; PID 1 is {host.pid1}; exit the shell to stop")
+        return subprocess.call(["nsenter", "-t", str(host.pid1), "-a", "bash", "-l"])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

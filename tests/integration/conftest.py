@@ -1,0 +1,59 @@
+"""The container host: one booted at a time, started on first use and reused by later tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import unavailable
+from tests.envs.container import ContainerHost
+
+
+def container_unavailable_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the container host needs root"
+    for tool in ("systemd-nspawn", "nsenter", "mount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (scripts/install-deps.sh integration)"
+    if "overlay" not in Path("/proc/filesystems").read_text():
+        return "the kernel has no overlay filesystem"
+    return None
+
+
+class Containers:
+    """Holds the session's container; nspawn --keep-unit allows one at a time per cgroup."""
+
+    def __init__(self) -> None:
+        self.host: ContainerHost | None = None
+
+    def get(self) -> ContainerHost:
+        if self.host is None:
+            self.host = ContainerHost("cpuservice-it").start()
+            print(f"\ncontainer host booted in {self.host.boot_seconds:.2f} s")
+        return self.host
+
+    def stop(self) -> None:
+        if self.host is not None:
+            self.host.stop()
+            self.host = None
+
+
+@pytest.fixture(scope="session")
+def containers() -> Iterator[Containers]:
+    reason = container_unavailable_reason()
+    if reason:
+        unavailable(reason)
+    manager = Containers()
+    try:
+        yield manager
+    finally:
+        manager.stop()
+
+
+@pytest.fixture
+def container(containers: Containers) -> ContainerHost:
+    return containers.get()
