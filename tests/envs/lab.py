@@ -1,0 +1,292 @@
+"""VM lab: QEMU (software emulation) booting Debian 12's kernel on a debootstrapped Debian 12 root.
+
+Default shape: 8 vCPUs as 2 sockets x 2 cores x 2 threads, 2 NUMA nodes, pure cgroup v2, udev,
+polkitd and an unprivileged user ``alice``. The root filesystem image is built once and cached,
+keyed by its recipe; every run boots it with ``snapshot=on`` (the image never changes) plus a small
+payload disk holding the checkout's package and the scenarios. A oneshot unit in the image runs
+each scenario as root and writes its output and exit status to the second serial port, then
+powers off.
+
+    python -m tests.envs.lab build           # build (or find) the cached image
+    python -m tests.envs.lab run SCRIPT...   # boot once, run shell scripts, print their output
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("CPUSERVICE_LAB_CACHE", "/var/cache/cpuservice-lab"))
+PAYLOAD_DIRS = ("cpuservice", "dbus", "systemd")
+PACKAGES = (
+    "systemd", "systemd-sysv", "libpam-systemd", "dbus", "udev", "polkitd", "python3",
+    "python3-dbus-fast", "python3-pydantic", "python3-pyudev", "procps", "util-linux",
+)
+RUNNER = """#!/bin/sh
+# Runs every scenario on the payload disk; output and status go to the second serial port.
+mkdir -p /payload
+mount -o ro /dev/vdb /payload
+exec >/dev/ttyS1 2>&1
+echo "@@LAB-BEGIN"
+echo "@@BOOTED $(cut -d' ' -f1 /proc/uptime)"
+for script in /payload/scenarios/*.sh; do
+    name=$(basename "$script" .sh)
+    echo "@@SCENARIO-BEGIN $name"
+    (cd /payload && PYTHONPATH=/payload timeout 900 sh "$script")
+    echo "@@SCENARIO-END $name $?"
+done
+echo "@@LAB-END"
+systemctl poweroff --no-block
+"""
+UNIT = """[Unit]
+Description=cpuservice lab scenarios
+After=multi-user.target dbus.service polkit.service systemd-logind.service systemd-udevd.service
+
+[Service]
+Type=oneshot
+ExecStart=/usr/local/sbin/cpuservice-lab-runner
+
+[Install]
+WantedBy=multi-user.target
+"""
+RECIPE_VERSION = 1
+
+
+class LabError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Shape:
+    """CPU and NUMA shape of one VM, plus extra kernel arguments."""
+
+    sockets: int = 2
+    cores: int = 2
+    threads: int = 2
+    nodes: int = 2
+    memory_mb: int = 2048
+    append: str = ""
+
+    @property
+    def cpus(self) -> int:
+        return self.sockets * self.cores * self.threads
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    status: int
+    output: str
+
+
+def kernel() -> tuple[Path, Path]:
+    """The newest Debian kernel in /boot with its initrd."""
+    for vmlinuz in sorted(Path("/boot").glob("vmlinuz-*"), reverse=True):
+        initrd = Path("/boot") / vmlinuz.name.replace("vmlinuz-", "initrd.img-")
+        if initrd.exists():
+            return vmlinuz, initrd
+    raise LabError("no kernel with an initrd in /boot (scripts/install-deps.sh lab)")
+
+
+def mirror() -> str:
+    """The Debian archive this machine's apt uses (never hard-coded in the project)."""
+    sources = [*Path("/etc/apt/sources.list.d").glob("*.sources"), Path("/etc/apt/sources.list"),
+               *Path("/etc/apt/sources.list.d").glob("*.list")]
+    for path in sources:
+        if not path.exists():
+            continue
+        text = path.read_text()
+        for stanza in text.split("\n\n"):
+            uris = re.search(r"^URIs:\s*(\S+)", stanza, re.M)
+            suites = re.search(r"^Suites:\s*(.+)$", stanza, re.M)
+            if uris and suites and "bookworm" in suites.group(1).split():
+                return uris.group(1)
+        for line in text.splitlines():
+            m = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s", line)
+            if m:
+                return m.group(1)
+    raise LabError("no bookworm archive found in this machine's apt sources")
+
+
+def recipe_key() -> str:
+    recipe = {"version": RECIPE_VERSION, "packages": PACKAGES, "runner": RUNNER, "unit": UNIT}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def base_image() -> Path:
+    """The cached root filesystem image for the current recipe, built when missing."""
+    image = CACHE / f"base-{recipe_key()}.img"
+    with _locked(CACHE / "build.lock"):
+        if image.exists():
+            return image
+        for old in CACHE.glob("base-*.img"):
+            old.unlink()
+        rootfs = CACHE / "rootfs.tmp"
+        shutil.rmtree(rootfs, ignore_errors=True)
+        subprocess.run(
+            ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", "bookworm",
+             str(rootfs), mirror()],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+        _customize(rootfs)
+        partial = image.with_suffix(".tmp")
+        _mkfs(rootfs, partial, "3G")
+        partial.rename(image)
+        shutil.rmtree(rootfs)
+    return image
+
+
+def _mkfs(tree: Path, image: Path, size: str) -> None:
+    subprocess.run(["truncate", "-s", size, str(image)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-d", str(tree), str(image)], check=True)
+
+
+def _customize(rootfs: Path) -> None:
+    systemd = rootfs / "etc/systemd/system"
+    (systemd / "serial-getty@ttyS0.service").symlink_to("/dev/null")
+    (systemd / "serial-getty@ttyS1.service").symlink_to("/dev/null")
+    runner = rootfs / "usr/local/sbin/cpuservice-lab-runner"
+    runner.parent.mkdir(parents=True, exist_ok=True)
+    runner.write_text(RUNNER)
+    runner.chmod(0o755)
+    (systemd / "cpuservice-lab.service").write_text(UNIT)
+    wants = systemd / "multi-user.target.wants"
+    wants.mkdir(exist_ok=True)
+    (wants / "cpuservice-lab.service").symlink_to("/etc/systemd/system/cpuservice-lab.service")
+    (rootfs / "etc/hostname").write_text("cpuservice-lab\n")
+    subprocess.run(["chroot", str(rootfs), "useradd", "-m", "alice"], check=True)
+
+
+def _payload(workdir: Path, scenarios: Mapping[str, str]) -> Path:
+    tree = workdir / "payload"
+    for name in PAYLOAD_DIRS:
+        if (CHECKOUT / name).is_dir():
+            shutil.copytree(CHECKOUT / name, tree / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (tree / "scenarios").mkdir(parents=True)
+    for i, (name, script) in enumerate(scenarios.items()):
+        if not re.fullmatch(r"[a-z0-9-]+", name):
+            raise LabError(f"scenario name {name!r}: use a-z, 0-9 and -")
+        (tree / "scenarios" / f"{i:02d}-{name}.sh").write_text(script)
+    image = workdir / "payload.img"
+    _mkfs(tree, image, "64M")
+    return image
+
+
+def _qemu_argv(shape: Shape, base: Path, payload: Path, workdir: Path) -> list[str]:
+    vmlinuz, initrd = kernel()
+    per_node = shape.cpus // shape.nodes
+    mem = shape.memory_mb // shape.nodes
+    numa: list[str] = []
+    for n in range(shape.nodes):
+        numa += ["-object", f"memory-backend-ram,id=m{n},size={mem}M",
+                 "-numa", f"node,nodeid={n},cpus={n * per_node}-{(n + 1) * per_node - 1},"
+                 f"memdev=m{n}"]
+    return [
+        "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-m", f"{shape.memory_mb}M",
+        "-smp", f"{shape.cpus},sockets={shape.sockets},cores={shape.cores},"
+        f"threads={shape.threads}",
+        "-cpu", "Skylake-Server", *numa,
+        "-display", "none", "-vga", "none", "-nic", "none", "-monitor", "none", "-no-reboot",
+        "-serial", f"file:{workdir}/console.log", "-serial", f"file:{workdir}/scenarios.log",
+        "-drive", f"file={base},format=raw,if=virtio,snapshot=on",
+        "-drive", f"file={payload},format=raw,if=virtio,readonly=on",
+        "-kernel", str(vmlinuz), "-initrd", str(initrd),
+        "-append", f"console=ttyS0 root=/dev/vda rw panic=-1 quiet {shape.append}".strip(),
+    ]
+
+
+@dataclass
+class Run:
+    """What one boot produced."""
+
+    results: dict[str, Result]
+    boot_seconds: float
+    total_seconds: float
+    console: str
+
+
+def run(scenarios: Mapping[str, str], shape: Shape = Shape(), timeout: float = 1200) -> Run:
+    """Boot once, run the scenarios (name -> shell script) in order, return their results."""
+    base = base_image()
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cpuservice-lab-", dir="/var/tmp") as tmp:
+        workdir = Path(tmp)
+        payload = _payload(workdir, scenarios)
+        env = {**os.environ, "TMPDIR": str(workdir)}
+        qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir), env=env,
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        try:
+            _, err = qemu.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            qemu.kill()
+            qemu.communicate()
+            raise LabError(f"VM did not finish in {timeout} s: {_tail(workdir)}") from None
+        total = time.monotonic() - began
+        log = (workdir / "scenarios.log").read_text(errors="replace")
+        console = (workdir / "console.log").read_text(errors="replace")
+        if "@@LAB-END" not in log:
+            raise LabError(f"VM ended early (qemu {qemu.returncode}: {err.decode()[-500:]}); "
+                           f"console: {console[-1500:]} scenarios: {log[-1500:]}")
+        results = _parse(log)
+        booted = re.search(r"@@BOOTED ([0-9.]+)", log)
+        return Run(results, float(booted.group(1)) if booted else 0.0, total, console)
+
+
+def _tail(workdir: Path) -> str:
+    parts = []
+    for name in ("console.log", "scenarios.log"):
+        path = workdir / name
+        if path.exists():
+            parts.append(f"{name}: {path.read_text(errors='replace')[-1500:]}")
+    return " | ".join(parts)
+
+
+def _parse(log: str) -> dict[str, Result]:
+    results = {}
+    pattern = r"@@SCENARIO-BEGIN \d+-(\S+)\r?\n(.*?)@@SCENARIO-END \d+-\1 (\d+)"
+    for m in re.finditer(pattern, log, re.S):
+        results[m.group(1)] = Result(m.group(1), int(m.group(3)), m.group(2).replace("\r", ""))
+    return results
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["build"]:
+        print(base_image())
+        return 0
+    if argv[:1] == ["run"] and len(argv) > 1:
+        scripts = {re.sub(r"[^a-z0-9-]", "-", Path(p).stem.lower()): Path(p).read_text()
+                   for p in argv[1:]}
+        outcome = run(scripts)
+        for result in outcome.results.values():
+            print(f"== {result.name}: exit {result.status}\n{result.output}")
+        print(f"boot {outcome.boot_seconds:.1f} s, total {outcome.total_seconds:.1f} s")
+        return max((r.status for r in outcome.results.values()), default=1)
+    print(__doc__)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
