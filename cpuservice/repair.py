@@ -42,14 +42,18 @@ class Change:
 
 
 def repair(topology: Topology, ledger: Ledger) -> tuple[Ledger, list[Change]]:
-    """The ledger on ``topology``'s online set, every allocation on online CPUs only."""
+    """The ledger on ``topology``'s online set, every allocation on online, unreserved CPUs.
+
+    Also the way to adopt a changed configuration: a CPU that became reserved is treated like one
+    that went offline."""
     stripped = ledger.with_online(topology.online, topology.isolated)
+    usable = topology.online - ledger.reserved
     allocations = dict(stripped.allocations)
     todo = []
     for name, a in allocations.items():
         if not a.bound:
             continue
-        kept = _strip(topology, a)
+        kept = _strip(topology, a, usable)
         if kept != a or a.degraded:
             allocations[name] = kept
             todo.append(name)
@@ -68,16 +72,16 @@ def repair(topology: Topology, ledger: Ledger) -> tuple[Ledger, list[Change]]:
     return current, changes
 
 
-def _strip(topology: Topology, a: Allocation) -> Allocation:
-    """``a`` without its offline CPUs (whole cores only for full-pcpus)."""
-    whole = a.whole & topology.online
+def _strip(topology: Topology, a: Allocation, usable: CPUSet) -> Allocation:
+    """``a`` without the CPUs it may no longer hold (whole cores only for full-pcpus)."""
+    whole = a.whole & usable
     if a.request.options.policy == "full-pcpus" and whole != a.whole:
         core = topology.levels[3]
         counts: dict[int, int] = {}
         for c in whole:
             counts[core[c]] = counts.get(core[c], 0) + 1
         whole = CPUSet(c for c in whole if counts[core[c]] == topology.core_size[core[c]])
-    fragment = a.fragment if a.fragment and a.fragment.cpu in topology.online else None
+    fragment = a.fragment if a.fragment and a.fragment.cpu in usable else None
     return replace(a, whole=whole, fragment=fragment)
 
 

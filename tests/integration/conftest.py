@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import unavailable
 from tests.envs.container import ContainerHost
+from tests.integration.service_env import ServiceHost
 
 
 def container_unavailable_reason() -> str | None:
@@ -57,3 +58,16 @@ def containers() -> Iterator[Containers]:
 @pytest.fixture
 def container(containers: Containers) -> ContainerHost:
     return containers.get()
+
+
+@pytest.fixture(scope="session")
+def daemon_host(containers: Containers) -> ServiceHost:
+    return ServiceHost(containers.get())
+
+
+@pytest.fixture
+def daemon(daemon_host: ServiceHost, containers: Containers) -> ServiceHost:
+    """The daemon on fixture machine ``a`` with a clean state (tests reconfigure as needed)."""
+    daemon_host.c = containers.get()
+    daemon_host.configure("a")
+    return daemon_host

@@ -69,3 +69,15 @@ def test_new_cpus_join_the_shared_pool(machine) -> None:
     ledger, _ = alloc(t, ledger_for(t).with_online(CPUSet.parse("0-3")), "x", bind("2"))
     ledger, changes = repair(t, ledger)
     assert changes == [] and ledger.shared == t.online - ledger.allocations["x"].whole
+
+
+def test_newly_reserved_cpu_is_given_back(machine) -> None:
+    from dataclasses import replace
+
+    t = machine("a")
+    ledger, a = alloc(t, ledger_for(t), "a", bind("2"))
+    ledger = replace(ledger, reserved=a.whole)
+    ledger, _ = repair(t, ledger)
+    check_invariants(ledger)
+    assert ledger.allocations["a"].whole.isdisjoint(a.whole)
+    assert len(ledger.allocations["a"].whole) == 2

@@ -1,0 +1,328 @@
+"""The D-Bus face of the service: org.cpuservice1.Manager and org.cpuservice1.Allocation.
+
+Every method runs behind one boundary: a CPUServiceError becomes its named D-Bus error, anything
+else is logged and answered with a generic error, so no caller ever sees a traceback.
+(No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
+"""
+
+import contextvars
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from dbus_fast import DBusError, Message, MessageType, PropertyAccess, Variant
+from dbus_fast.aio import MessageBus
+from dbus_fast.service import ServiceInterface, dbus_property, method, signal
+
+from . import __version__
+from .errors import CPUServiceError, NoSuchAllocation
+from .pools import Ledger
+from .service import Service
+from .units import NO_QUOTA
+
+log = logging.getLogger(__name__)
+BUS_NAME = "org.cpuservice1"
+PATH = "/org/cpuservice1"
+ALLOCATION_PREFIX = "/org/cpuservice1/allocation/"
+FAILED = "org.cpuservice1.Error.Failed"
+
+current_sender: contextvars.ContextVar[str] = contextvars.ContextVar("sender", default="")
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def capture_sender(msg: Message) -> bool:
+    """Message handler that remembers who is calling (exported methods are not told)."""
+    if msg.message_type == MessageType.METHOD_CALL:
+        current_sender.set(msg.sender or "")
+    return False
+
+
+def path_of(name: str) -> str:
+    """Object path of an allocation: bytes outside [A-Za-z0-9] become _xx (as sd_bus does)."""
+    return ALLOCATION_PREFIX + "".join(
+        ch if ch.isascii() and ch.isalnum() else f"_{ord(ch):02x}" for ch in name
+    )
+
+
+def boundary(fn: F) -> F:
+    """Named errors out, tracebacks never."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except CPUServiceError as exc:
+            raise DBusError(exc.dbus_name, str(exc)) from None
+        except DBusError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise DBusError(FAILED, f"internal error in {fn.__name__}; see the service log") from None
+    return wrapper  # type: ignore[return-value]
+
+
+def _options(options: dict[str, Variant]) -> dict[str, Any]:
+    return {k: v.value for k, v in options.items()}
+
+
+class Allocation(ServiceInterface):
+    def __init__(self, service: Service, name: str) -> None:
+        super().__init__("org.cpuservice1.Allocation")
+        self.service = service
+        self.name = name
+
+    def values(self) -> dict[str, Any]:
+        a = self.service.allocation(self.name)
+        p = self.service.placement_of(self.name)
+        record = self.service.record(self.name)
+        return {
+            "Name": self.name, "CPUs": str(a.request.cpus), "Bound": a.bound,
+            "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
+            "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
+            "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
+            "Unit": record.unit, "Owner": record.owner,
+            "State": "degraded" if a.degraded else "active",
+            "Lifetime": a.request.options.lifetime,
+        }
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Name(self) -> "s":
+        return self.name
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUs(self) -> "s":
+        return self.values()["CPUs"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Bound(self) -> "b":
+        return self.values()["Bound"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUSet(self) -> "s":
+        return self.values()["CPUSet"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Shares(self) -> "a{uu}":
+        return self.values()["Shares"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUQuotaPerSecUSec(self) -> "t":
+        return self.values()["CPUQuotaPerSecUSec"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUWeight(self) -> "t":
+        return self.values()["CPUWeight"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def MemoryNodes(self) -> "s":
+        return self.values()["MemoryNodes"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Unit(self) -> "s":
+        return self.values()["Unit"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Owner(self) -> "u":
+        return self.values()["Owner"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return self.values()["State"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Lifetime(self) -> "s":
+        return self.values()["Lifetime"]
+
+    @method()
+    @boundary
+    async def Release(self) -> None:
+        await self.service.release(self.name)
+
+
+class Manager(ServiceInterface):
+    """org.cpuservice1.Manager; also the service's Events sink."""
+
+    def __init__(self, service: Service, bus: MessageBus) -> None:
+        super().__init__("org.cpuservice1.Manager")
+        self.service = service
+        self.bus = bus
+        self.objects: dict[str, Allocation] = {}
+        self._last: dict[str, dict[str, Any]] = {}
+        service.events = self
+
+    def export_all(self) -> None:
+        self.bus.export(PATH, self)
+        for name in self.service.ledger.allocations:
+            self._export(name)
+
+    def _export(self, name: str) -> Allocation:
+        obj = Allocation(self.service, name)
+        self.objects[name] = obj
+        self.bus.export(path_of(name), obj)
+        self._last[name] = obj.values()
+        return obj
+
+    async def _caller_uid(self) -> int:
+        sender = current_sender.get()
+        if not sender:
+            return 0
+        reply = await self.bus.call(Message(
+            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+            interface="org.freedesktop.DBus", member="GetConnectionUnixUser", signature="s",
+            body=[sender]))
+        if reply is None or reply.message_type != MessageType.METHOD_RETURN:
+            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "caller unknown")
+        return int(reply.body[0])
+
+    # ---- Events ----
+
+    def pools_changed(self, ledger: Ledger) -> None:
+        self.PoolsChanged(ledger.shared.format(), ledger.exclusive.format(),
+                          ledger.fragment.format())
+        self.emit_properties_changed({"SharedCPUs": ledger.shared.format(),
+                                      "ExclusiveCPUs": ledger.exclusive.format(),
+                                      "FragmentCPUs": ledger.fragment.format(),
+                                      "OnlineCPUs": ledger.online.format()})
+
+    def allocation_added(self, name: str) -> None:
+        self._export(name)
+        self.AllocationAdded(name, path_of(name))
+
+    def allocation_removed(self, name: str) -> None:
+        self.objects.pop(name, None)
+        self._last.pop(name, None)
+        self.bus.unexport(path_of(name))
+        self.AllocationRemoved(name, path_of(name))
+
+    def allocation_changed(self, name: str, reason: str) -> None:
+        obj = self.objects.get(name) or self._export(name)
+        now = obj.values()
+        before = self._last.get(name, {})
+        changed = {k: v for k, v in now.items() if before.get(k) != v}
+        self._last[name] = now
+        if changed:
+            obj.emit_properties_changed(changed)
+        self.AllocationChanged(name, path_of(name), reason)
+
+    # ---- methods ----
+
+    @method()
+    @boundary
+    async def Allocate(self, name: "s", cpus: "s", options: "a{sv}") -> "o":
+        owner = await self._caller_uid()
+        await self.service.allocate(name, cpus, _options(options), owner)
+        return path_of(name)
+
+    @method()
+    @boundary
+    async def Release(self, name: "s") -> None:
+        await self.service.release(name)
+
+    @method()
+    @boundary
+    async def Resize(self, name: "s", cpus: "s") -> None:
+        await self.service.resize(name, cpus)
+
+    @method()
+    @boundary
+    async def Plan(self, cpus: "s", options: "a{sv}") -> "a{sv}":
+        p = self.service.plan(cpus, _options(options))
+        quota = NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec
+        return {
+            "cpuset": Variant("s", p.cpus.format()),
+            "shares": Variant("a{uu}", dict(p.shares)),
+            "cpu-quota-per-sec-usec": Variant("t", quota),
+            "cpu-weight": Variant("t", p.cpu_weight),
+            "memory-nodes": Variant("s", p.memory_nodes.format()),
+            "whole": Variant("s", p.whole.format()),
+            "fragment-cpu": Variant("i", p.fragment.cpu if p.fragment else -1),
+        }
+
+    @method()
+    @boundary
+    async def Capacity(self, cpus: "s", options: "a{sv}") -> "u":
+        return self.service.capacity(cpus, _options(options))
+
+    @method()
+    @boundary
+    async def ListAllocations(self) -> "a(ssbso)":
+        out = []
+        for name in sorted(self.service.ledger.allocations):
+            a = self.service.allocation(name)
+            cpus = self.service.placement_of(name).cpus.format()
+            out.append([name, str(a.request.cpus), a.bound, cpus, path_of(name)])
+        return out
+
+    @method()
+    @boundary
+    async def GetAllocation(self, name: "s") -> "o":
+        if name not in self.service.ledger.allocations:
+            raise NoSuchAllocation(f"no allocation named {name!r}")
+        return path_of(name)
+
+    @method()
+    @boundary
+    async def Attach(self, name: "s", pids: "au") -> "s":
+        return await self.service.attach(name, pids)
+
+    @method()
+    @boundary
+    async def Revalidate(self) -> None:
+        await self.service.revalidate()
+
+    # ---- properties ----
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Version(self) -> "s":
+        return __version__
+
+    @dbus_property(access=PropertyAccess.READ)
+    def OnlineCPUs(self) -> "s":
+        return self.service.ledger.online.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ReservedCPUs(self) -> "s":
+        return self.service.ledger.reserved.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def IsolatedCPUs(self) -> "s":
+        return self.service.ledger.isolated.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def SharedCPUs(self) -> "s":
+        return self.service.ledger.shared.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ExclusiveCPUs(self) -> "s":
+        return self.service.ledger.exclusive.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def FragmentCPUs(self) -> "s":
+        return self.service.ledger.fragment.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Granularity(self) -> "u":
+        return self.service.ledger.granularity
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Topology(self) -> "s":
+        return self.service.topology.to_json()
+
+    # ---- signals ----
+
+    @signal()
+    def PoolsChanged(self, shared: str, exclusive: str, fragment: str) -> "sss":
+        return [shared, exclusive, fragment]
+
+    @signal()
+    def AllocationAdded(self, name: str, path: str) -> "so":
+        return [name, path]
+
+    @signal()
+    def AllocationRemoved(self, name: str, path: str) -> "so":
+        return [name, path]
+
+    @signal()
+    def AllocationChanged(self, name: str, path: str, reason: str) -> "sos":
+        return [name, path, reason]

@@ -1,0 +1,73 @@
+"""cpuserviced: the daemon's entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from dbus_fast import BusType, RequestNameReply
+from dbus_fast.aio import MessageBus
+
+from . import __version__, config
+from .bus_api import BUS_NAME, Manager, capture_sender
+from .checkpoint import Store
+from .service import Service
+from .systemd import Systemd
+
+log = logging.getLogger("cpuserviced")
+
+
+async def serve(cfg: config.Config) -> int:
+    bus = await MessageBus(
+        bus_address=os.environ.get("CPUSERVICE_BUS_ADDRESS"), bus_type=BusType.SYSTEM
+    ).connect()
+    systemd = Systemd(bus)
+    await systemd.setup()
+    service = Service(cfg, systemd, Store(cfg.state_file))
+    manager = Manager(service, bus)
+    bus.add_message_handler(capture_sender)
+    await service.start()
+    manager.export_all()
+    reply = await bus.request_name(BUS_NAME)
+    if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
+        log.error("could not own %s: %s", BUS_NAME, reply)
+        return 1
+    log.info("cpuserviced %s serving %d allocation(s); shared CPUs %s", __version__,
+             len(service.ledger.allocations), service.ledger.shared)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({disconnected, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if disconnected.done():
+        log.error("lost the system bus")
+        return 1
+    bus.disconnect()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpuserviced", description="The cpuservice daemon.")
+    parser.add_argument("--config", default=str(config.DEFAULT_PATH),
+                        help="configuration file (default %(default)s)")
+    parser.add_argument("--version", action="version", version=__version__)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        cfg = config.load(args.config)
+    except config.ConfigError as exc:
+        log.error("%s", exc)
+        return 2
+    return asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,480 @@
+"""The service: ledger + topology + checkpoint + systemd, one request at a time.
+
+Every change is plan (pure) -> commit (checkpoint) -> apply (systemd); when systemd fails, both
+are rolled back. Startup and Revalidate() reconcile: the checkpoint (or, when it is corrupt, the
+units systemd has), the current topology and systemd's units are brought into agreement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from decimal import Decimal
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from . import placement, units
+from .checkpoint import CheckpointError, Record, State, Store, from_payload
+from .config import Config
+from .cpuset import CPUSet
+from .errors import (
+    AllocationExists,
+    CPUServiceError,
+    InvalidArgument,
+    NoSuchAllocation,
+    SystemdFailure,
+)
+from .placement import Placement
+from .pools import Allocation, Fragment, Ledger, check_invariants
+from .repair import repair
+from .request import Request, parse_amount, parse_options, validate_name
+from .systemd import Systemd
+from .topology import Topology, discover
+
+log = logging.getLogger(__name__)
+OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice")
+UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+_TYPE_IFACE = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket": "Socket",
+               "mount": "Mount", "swap": "Swap"}
+
+
+def cgroup_iface(unit: str) -> str:
+    return f"org.freedesktop.systemd1.{_TYPE_IFACE[unit.rsplit('.', 1)[1]]}"
+
+
+class Events(Protocol):
+    """What the bus layer is told after each committed change."""
+
+    def pools_changed(self, ledger: Ledger) -> None: ...
+    def allocation_added(self, name: str) -> None: ...
+    def allocation_removed(self, name: str) -> None: ...
+    def allocation_changed(self, name: str, reason: str) -> None: ...
+
+
+class _NoEvents:
+    def pools_changed(self, ledger: Ledger) -> None:
+        pass
+
+    def allocation_added(self, name: str) -> None:
+        pass
+
+    def allocation_removed(self, name: str) -> None:
+        pass
+
+    def allocation_changed(self, name: str, reason: str) -> None:
+        pass
+
+
+class Service:
+    def __init__(self, config: Config, systemd: Systemd, store: Store) -> None:
+        self.config = config
+        self.systemd = systemd
+        self.store = store
+        self.events: Events = _NoEvents()
+        self.topology = discover(config.sysfs_root)
+        self.state = State(self._empty_ledger(self.topology), MappingProxyType({}))
+        self.lock = asyncio.Lock()
+        self._attached = 0
+        self._lifetime_task: asyncio.Task[None] | None = None
+        self._watched: dict[str, str] = {}  # unit object path -> allocation name
+        systemd.on_unit_removed = self._on_unit_removed
+        systemd.on_unit_new = self._on_unit_new
+        systemd.on_unit_state = self._on_unit_state
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    def allocation(self, name: str) -> Allocation:
+        try:
+            return self.ledger.allocations[name]
+        except KeyError:
+            raise NoSuchAllocation(f"no allocation named {name!r}") from None
+
+    def record(self, name: str) -> Record:
+        return self.state.records.get(name, Record())
+
+    def placement_of(self, name: str) -> Placement:
+        return placement.describe(self.topology, self.ledger, self.allocation(name))
+
+    def request(self, cpus: str, options: Mapping[str, Any]) -> Request:
+        return Request.parse(cpus, options, self.config.defaults)
+
+    def plan(self, cpus: str, options: Mapping[str, Any]) -> Placement:
+        return placement.place(self.topology, self.ledger, self.request(cpus, options))
+
+    def capacity(self, cpus: str, options: Mapping[str, Any]) -> int:
+        return placement.capacity(self.topology, self.ledger, self.request(cpus, options))
+
+    # ---- changes -------------------------------------------------------------------------
+
+    async def allocate(
+        self, name: str, cpus: str, options: Mapping[str, Any], owner: int
+    ) -> Allocation:
+        validate_name(name)
+        request = self.request(cpus, options)
+        async with self.lock:
+            if name in self.ledger.allocations:
+                raise AllocationExists(f"allocation {name!r} already exists")
+            unit, saved = await self._target_unit(name, request)
+            ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
+            record = Record(owner, unit, saved)
+            await self._commit(State(ledger, {**self.state.records, name: record}))
+            if request.options.lifetime == "unit" and unit != units.slice_name(name, True) and (
+                unit != units.slice_name(name, False)
+            ):
+                await self._watch(name, unit)
+            return allocation
+
+    async def _target_unit(self, name: str, request: Request) -> tuple[str, units.Props]:
+        unit = request.options.unit
+        if unit is None:
+            return units.slice_name(name, request.options.bind), {}
+        for other, rec in self.state.records.items():
+            if rec.unit == unit:
+                raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")
+        if unit.startswith("cpuservice"):
+            raise InvalidArgument(f"unit {unit!r} belongs to cpuservice itself")
+        current = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+        if not current:
+            raise InvalidArgument(f"unit {unit!r} is not loaded")
+        return unit, units.saved_props(current, units.CPU_PROPERTIES)
+
+    async def release(self, name: str, reason: str = "released") -> None:
+        async with self.lock:
+            self.allocation(name)
+            ledger = placement.release(self.ledger, name)
+            records = {k: v for k, v in self.state.records.items() if k != name}
+            await self._commit(State(ledger, records))
+            for path, watched in list(self._watched.items()):
+                if watched == name:
+                    del self._watched[path]
+                    await self.systemd.unwatch_unit(path)
+            log.info("allocation %s released (%s)", name, reason)
+
+    async def resize(self, name: str, cpus: str) -> Allocation:
+        amount = parse_amount(cpus)
+        async with self.lock:
+            self.allocation(name)
+            ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
+            await self._commit(State(ledger, self.state.records), {name: f"resized to {amount}"})
+            return allocation
+
+    async def attach(self, name: str, pids: Sequence[int]) -> str:
+        """Move running processes into a new transient scope in the allocation's slice."""
+        async with self.lock:
+            allocation = self.allocation(name)
+            record = self.record(name)
+            own = units.slice_name(name, allocation.bound)
+            if record.unit != own:
+                raise InvalidArgument(
+                    f"allocation {name!r} applies to unit {record.unit!r}: start processes there"
+                )
+            if not pids:
+                raise InvalidArgument("no PIDs to attach")
+            self._attached += 1
+            scope = f"cpuservice-{units.escape(name)}-{self._attached}.scope"
+            props: units.Props = {"PIDs": ("au", list(pids)), "Slice": ("s", own),
+                                  "Description": ("s", f"processes attached to {name}")}
+            try:
+                await self.systemd.start_transient(scope, props)
+            except SystemdFailure as exc:
+                raise InvalidArgument(f"cannot attach PIDs {list(pids)}: {exc}") from None
+            if not record.populated:
+                records = {**self.state.records, name: replace(record, populated=True)}
+                await self._commit(State(self.ledger, records))
+            return scope
+
+    async def revalidate(self, reason: str = "revalidate") -> None:
+        """Re-read the topology and repair; the same path runs at startup."""
+        async with self.lock:
+            topology = discover(self.config.sysfs_root, previous=self.topology)
+            ledger, changes = repair(topology, self.ledger)
+            self.topology = topology
+            reasons = {c.name: c.reason for c in changes}
+            await self._commit(State(ledger, self.state.records), reasons, sync=True)
+            log.info("%s: %s", reason, reasons or "nothing to repair")
+
+    # ---- commit / apply ------------------------------------------------------------------
+
+    async def _commit(
+        self, new: State, reasons: Mapping[str, str] | None = None, sync: bool = False
+    ) -> None:
+        """Checkpoint, apply to systemd, publish; on failure roll back both and raise."""
+        check_invariants(new.ledger)
+        old = self.state
+        self.store.save(new)
+        try:
+            if sync:
+                await self._sync(new)
+            else:
+                await self._apply(old, new)
+        except Exception as exc:
+            log.error("applying a change failed, rolling back: %s", exc)
+            try:
+                await self._sync(old)
+            except Exception as again:
+                log.error("rollback incomplete: %s", again)
+            self.store.save(old)
+            if isinstance(exc, CPUServiceError):
+                raise
+            raise SystemdFailure(f"systemd failed: {exc}") from None
+        self.state = new
+        self._publish(old, new, reasons or {})
+
+    def _targets(self, state: State) -> dict[str, units.Target]:
+        out = {}
+        ledger = state.ledger
+        for name, a in ledger.allocations.items():
+            record = state.records.get(name, Record())
+            p = placement.describe(self.topology, ledger, a)
+            own = record.unit == units.slice_name(name, a.bound)
+            props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
+            if own:
+                props["Description"] = ("s", units.describe(name, _fields(a, record)))
+            out[name] = units.Target(record.unit, props, own)
+        return out
+
+    def _shared_units(self) -> tuple[str, ...]:
+        return (units.SHARED, *(units.CONFINED if self.config.confine_host else ()))
+
+    async def _set_shared(self, cpus: CPUSet) -> None:
+        for unit in self._shared_units():
+            await self.systemd.set_properties(unit, units.shared_props(cpus))
+
+    async def _apply(self, old: State, new: State) -> None:
+        """The calls that take systemd from ``old`` to ``new``: shrink the shared pool first,
+        grow it last, so a CPU is never in the shared pool and a bound slice at once."""
+        before, after = self._targets(old), self._targets(new)
+        old_shared, new_shared = old.ledger.shared, new.ledger.shared
+        between = old_shared & new_shared
+        if new_shared != old_shared and between and between != old_shared:
+            await self._set_shared(between)
+        for name in before.keys() - after.keys():
+            await self._remove(before[name], old.records[name])
+        for name, target in after.items():
+            previous = before.get(name)
+            if previous is None or previous.unit != target.unit:
+                await self._create(target)
+            else:
+                changed = {k: v for k, v in target.props.items() if previous.props.get(k) != v}
+                await self.systemd.set_properties(target.unit, changed)
+        if new_shared != old_shared and new_shared != between:
+            await self._set_shared(new_shared)
+
+    async def _create(self, target: units.Target) -> None:
+        if target.own_slice:
+            await self.systemd.start_transient(target.unit, target.props)
+        else:
+            await self.systemd.set_properties(target.unit, target.props)
+
+    async def _remove(self, target: units.Target, record: Record) -> None:
+        if target.own_slice:
+            await self.systemd.stop(target.unit)
+        else:
+            await self.systemd.set_properties(target.unit, dict(record.saved))
+
+    async def _sync(self, state: State) -> None:
+        """Make systemd match ``state`` whatever it holds now (startup, rollback, repair)."""
+        targets = self._targets(state)
+        actual = dict(await self.systemd.list_units(OWN_PATTERNS))
+        wanted = {t.unit for t in targets.values()}
+        for unit in actual.keys() - wanted:
+            if units.name_of_slice(unit) is not None:
+                log.info("stopping leftover unit %s", unit)
+                await self.systemd.stop(unit)
+        shared = units.shared_props(state.ledger.shared)
+        for unit in self._shared_units():
+            have = await self.systemd.get(unit, cgroup_iface(unit), ["AllowedCPUs"])
+            await self.systemd.set_properties(unit, units.differs(shared, have))
+        for target in targets.values():
+            if target.own_slice and actual.get(target.unit) not in ("active", "activating"):
+                if target.unit in actual:
+                    await self.systemd.stop(target.unit)
+                await self.systemd.start_transient(target.unit, target.props)
+                continue
+            have = await self.systemd.get(target.unit, cgroup_iface(target.unit),
+                                          units.CPU_PROPERTIES)
+            if target.own_slice:
+                have.update(await self.systemd.get(target.unit, UNIT_IFACE, ["Description"]))
+            await self.systemd.set_properties(target.unit, units.differs(target.props, have))
+
+    def _publish(self, old: State, new: State, reasons: Mapping[str, str]) -> None:
+        before, after = old.ledger.allocations, new.ledger.allocations
+        for name in before.keys() - after.keys():
+            self.events.allocation_removed(name)
+        for name in sorted(after.keys() - before.keys()):
+            self.events.allocation_added(name)
+        for name in sorted(after.keys() & before.keys()):
+            changed = after[name] != before[name] or (
+                placement.describe(self.topology, new.ledger, after[name])
+                != placement.describe(self.topology, old.ledger, before[name])
+            ) or new.records.get(name) != old.records.get(name)
+            if changed or name in reasons:
+                self.events.allocation_changed(name, reasons.get(name, "pools changed"))
+        pools = ("shared", "exclusive", "fragment")
+        if any(getattr(old.ledger, p) != getattr(new.ledger, p) for p in pools):
+            self.events.pools_changed(new.ledger)
+
+    # ---- startup -------------------------------------------------------------------------
+
+    def _empty_ledger(self, topology: Topology) -> Ledger:
+        return Ledger(topology.online, self.config.reserved, topology.isolated & topology.online,
+                      self.config.granularity, self.config.min_shared_cpus)
+
+    async def start(self) -> None:
+        """Reconcile checkpoint, topology and systemd; then serve."""
+        async with self.lock:
+            base = self._empty_ledger(self.topology)
+            try:
+                payload = self.store.load()
+                state = from_payload(payload, base) if payload else State(base, {})
+            except CheckpointError as exc:
+                aside = self.store.set_aside()
+                log.error("%s; kept it as %s and rebuilt the state from systemd's units",
+                          exc, aside)
+                state = await self._from_units(base)
+            if state.ledger.granularity != base.granularity:
+                log.warning("checkpoint uses granularity %d, config says %d: keeping %d until "
+                            "every allocation is released", state.ledger.granularity,
+                            base.granularity, state.ledger.granularity)
+            state = await self._drop_ended(state)
+            ledger, changes = repair(self.topology, state.ledger)
+            for change in changes:
+                log.info("startup repair: %s: %s", change.name, change.reason)
+            new = State(ledger, state.records)
+            check_invariants(ledger)
+            self.store.save(new)
+            await self._sync(new)
+            self.state = new
+            for name, record in new.records.items():
+                if ledger.allocations[name].request.options.lifetime == "unit" and (
+                    record.unit not in (units.slice_name(name, True),
+                                        units.slice_name(name, False))
+                ):
+                    await self._watch(name, record.unit)
+        self._schedule_lifetime_check()
+
+    async def _from_units(self, base: Ledger) -> State:
+        """Rebuild allocations from the Descriptions of our slices (checkpoint lost)."""
+        allocations: dict[str, Allocation] = {}
+        records: dict[str, Record] = {}
+        for unit, _ in await self.systemd.list_units(OWN_PATTERNS):
+            fields = units.parse_description(
+                (await self.systemd.get(unit, UNIT_IFACE, ["Description"])).get("Description", "")
+            )
+            try:
+                allocation, record = _from_fields(fields or {}, unit)
+            except (CPUServiceError, KeyError, ValueError) as exc:
+                log.error("cannot rebuild allocation from %s: %s", unit, exc)
+                continue
+            allocations[allocation.name] = allocation
+            records[allocation.name] = record
+        ledger = replace(base, allocations=MappingProxyType(allocations))
+        return State(ledger, records)
+
+    async def _drop_ended(self, state: State) -> State:
+        """Forget lifetime=unit allocations whose unit is gone (or empty after having run)."""
+        ledger, records = state.ledger, dict(state.records)
+        for name, a in list(ledger.allocations.items()):
+            if a.request.options.lifetime != "unit":
+                continue
+            record = records.get(name, Record())
+            if await self._ended(name, record):
+                log.info("allocation %s ended with its unit %s", name, record.unit)
+                ledger = ledger.without(name)
+                records.pop(name, None)
+        return State(ledger, records)
+
+    async def _ended(self, name: str, record: Record) -> bool:
+        own = record.unit in (units.slice_name(name, True), units.slice_name(name, False))
+        if own:
+            if (await self.systemd.unit_path(record.unit)) is None:
+                return True
+            return record.populated and not await self.systemd.processes(record.unit)
+        state = await self.systemd.get(record.unit, UNIT_IFACE, ["ActiveState"])
+        return state.get("ActiveState", "inactive") in ("inactive", "failed")
+
+    # ---- lifetime=unit -------------------------------------------------------------------
+
+    async def _watch(self, name: str, unit: str) -> None:
+        path = await self.systemd.unit_path(unit)
+        if path is not None:
+            self._watched[path] = name
+            await self.systemd.watch_unit(path)
+
+    def _on_unit_state(self, path: str, state: str) -> None:
+        if path in self._watched and state in ("inactive", "failed"):
+            self._schedule_lifetime_check()
+
+    def _on_unit_removed(self, unit: str) -> None:
+        if any(a.request.options.lifetime == "unit" for a in self.ledger.allocations.values()):
+            self._schedule_lifetime_check()
+
+    def _on_unit_new(self, unit: str) -> None:
+        if unit.endswith((".scope", ".service")) and any(
+            a.request.options.lifetime == "unit" and not self.record(n).populated
+            for n, a in self.ledger.allocations.items()
+        ):
+            self._schedule_lifetime_check()
+
+    def _schedule_lifetime_check(self) -> None:
+        if self._lifetime_task is None or self._lifetime_task.done():
+            self._lifetime_task = asyncio.get_running_loop().create_task(self._lifetime_check())
+
+    async def _lifetime_check(self) -> None:
+        """Release lifetime=unit allocations whose unit ended; mark slices that got members."""
+        await asyncio.sleep(0.05)  # let a burst of unit signals settle
+        try:
+            for name, a in list(self.ledger.allocations.items()):
+                if a.request.options.lifetime != "unit" or name not in self.ledger.allocations:
+                    continue
+                record = self.record(name)
+                if await self._ended(name, record):
+                    await self.release(name, "its unit ended")
+                elif not record.populated and record.unit.startswith("cpuservice-") and (
+                    await self.systemd.processes(record.unit)
+                ):
+                    async with self.lock:
+                        if name in self.state.records:
+                            records = {**self.state.records,
+                                       name: replace(self.record(name), populated=True)}
+                            await self._commit(State(self.ledger, records))
+        except CPUServiceError as exc:
+            log.error("lifetime check failed: %s", exc)
+
+
+def _fields(a: Allocation, record: Record) -> dict[str, str]:
+    opts = a.request.options
+    fields = {
+        "cpus": str(a.request.cpus), "bind": str(opts.bind).lower(), "policy": opts.policy,
+        "exclusive": opts.exclusive, "numa-strategy": opts.numa_strategy,
+        "numa-alignment": opts.numa_alignment, "memory-nodes": str(opts.memory_nodes).lower(),
+        "lifetime": opts.lifetime, "owner": str(record.owner),
+        "whole": a.whole.format() or "-",
+    }
+    if a.request.cpuset is not None:
+        fields["cpuset"] = a.request.cpuset.format()
+    if a.fragment:
+        fields["fragment"] = f"{a.fragment.cpu}:{a.fragment.pieces}"
+    return fields
+
+
+def _from_fields(fields: Mapping[str, str], unit: str) -> tuple[Allocation, Record]:
+    name = fields["name"]
+    options: dict[str, Any] = {k: fields[k] for k in
+                               ("policy", "exclusive", "numa-strategy", "numa-alignment",
+                                "lifetime", "cpuset") if k in fields}
+    options["bind"] = fields["bind"] == "true"
+    options["memory-nodes"] = fields["memory-nodes"] == "true"
+    request = Request.build(Decimal(fields["cpus"]), parse_options(options))
+    fragment = None
+    if "fragment" in fields:
+        cpu, pieces = fields["fragment"].split(":")
+        fragment = Fragment(int(cpu), int(pieces))
+    whole = CPUSet.parse("" if fields["whole"] == "-" else fields["whole"])
+    return Allocation(name, request, whole, fragment), Record(int(fields["owner"]), unit)

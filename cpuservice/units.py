@@ -1,0 +1,122 @@
+"""What systemd should hold for a ledger: unit names and property values. Pure.
+
+Layout: ``cpuservice.slice`` > ``cpuservice-shared.slice`` (AllowedCPUs = the shared pool) >
+``cpuservice-shared-<name>.slice`` per unbound allocation (quota and weight; inherits the CPUs),
+and ``cpuservice.slice`` > ``cpuservice-bound.slice`` > ``cpuservice-bound-<name>.slice`` per
+bound allocation (AllowedCPUs, plus quota and weight when fractional). With the ``unit`` option the
+allocation's properties go to that unit instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .cpuset import CPUSet
+from .placement import Placement
+
+ROOT = "cpuservice.slice"
+SHARED = "cpuservice-shared.slice"
+BOUND = "cpuservice-bound.slice"
+CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
+NO_QUOTA = 2**64 - 1
+_PLAIN = re.compile(r"[A-Za-z0-9_:]")
+
+# name -> (D-Bus signature, value), as systemd's SetUnitProperties takes them
+Props = dict[str, tuple[str, Any]]
+CPU_PROPERTIES = ("AllowedCPUs", "CPUWeight", "CPUQuotaPerSecUSec", "AllowedMemoryNodes")
+
+
+def escape(name: str) -> str:
+    """systemd's unit-name escaping (``-`` -> ``\\x2d``; ``.`` kept except in front)."""
+    out = []
+    for i, ch in enumerate(name):
+        if _PLAIN.match(ch) or (ch == "." and i > 0):
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return "".join(out)
+
+
+def unescape(text: str) -> str:
+    return re.sub(
+        r"\\x([0-9a-f]{2})", lambda m: chr(int(m.group(1), 16)), text
+    )
+
+
+def slice_name(name: str, bound: bool) -> str:
+    return f"cpuservice-{'bound' if bound else 'shared'}-{escape(name)}.slice"
+
+
+def name_of_slice(unit: str) -> tuple[str, bool] | None:
+    """(allocation name, bound) for one of our per-allocation slices."""
+    m = re.fullmatch(r"cpuservice-(bound|shared)-(.+)\.slice", unit)
+    return (unescape(m.group(2)), m.group(1) == "bound") if m else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """One allocation as systemd should see it."""
+
+    unit: str
+    props: Props
+    own_slice: bool
+
+
+def allocation_props(
+    placement: Placement, bound: bool, memory_nodes: bool, explicit_cpus: bool
+) -> Props:
+    """Properties of one allocation's unit. ``explicit_cpus``: set AllowedCPUs even for unbound
+    allocations (a foreign unit does not inherit the shared slice's set)."""
+    props: Props = {}
+    if bound or explicit_cpus:
+        props["AllowedCPUs"] = ("ay", placement.cpus.to_mask())
+    quota = placement.cpu_quota_usec
+    props["CPUQuotaPerSecUSec"] = ("t", NO_QUOTA if quota is None else quota)
+    props["CPUWeight"] = ("t", placement.cpu_weight)
+    if memory_nodes:
+        props["AllowedMemoryNodes"] = ("ay", placement.memory_nodes.to_mask())
+    return props
+
+
+def shared_props(shared: CPUSet) -> Props:
+    return {"AllowedCPUs": ("ay", shared.to_mask())}
+
+
+def differs(want: Props, have: Mapping[str, Any]) -> Props:
+    """The wanted properties whose current values differ (``have`` as systemd reports them)."""
+    out: Props = {}
+    for name, (sig, value) in want.items():
+        current = have.get(name)
+        if sig == "ay":
+            current = bytes(current or b"")
+            value = CPUSet.from_mask(value).to_mask()
+            current = CPUSet.from_mask(current).to_mask()
+        if current != value:
+            out[name] = (sig, want[name][1])
+    return out
+
+
+def describe(name: str, fields: Mapping[str, str]) -> str:
+    """A unit Description that also records the allocation (read back by parse_description)."""
+    details = " ".join(f"{k}={v}" for k, v in fields.items())
+    return f"cpuservice allocation {name} ({details})"
+
+
+def parse_description(text: str) -> dict[str, str] | None:
+    m = re.fullmatch(r"cpuservice allocation (\S+) \((.*)\)", text)
+    if not m:
+        return None
+    fields = dict(item.split("=", 1) for item in m.group(2).split() if "=" in item)
+    fields["name"] = m.group(1)
+    return fields
+
+
+def saved_props(values: Mapping[str, Any], names: Iterable[str]) -> Props:
+    """The current values of a foreign unit's CPU properties, to restore them later."""
+    sigs = {"AllowedCPUs": "ay", "AllowedMemoryNodes": "ay", "CPUWeight": "t",
+            "CPUQuotaPerSecUSec": "t"}
+    return {n: (sigs[n], bytes(values[n]) if sigs[n] == "ay" else int(values[n]))
+            for n in names if n in values}

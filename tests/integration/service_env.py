@@ -1,0 +1,134 @@
+"""cpuserviced installed as a real systemd service in the container host, driven with busctl."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from cpuservice.fixtures import write_sysfs
+from tests.envs.container import CHECKOUT, ContainerHost
+
+FIXTURES = "/srv/cpuservice-fixtures"
+CONFIG = "/etc/cpuservice/cpuservice.toml"
+STATE = "/var/lib/cpuservice/state.json"
+DEST = ("org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager")
+DROPIN = f"""[Service]
+Environment=PYTHONPATH={CHECKOUT}
+ProtectHome=no
+"""
+
+
+class BusctlError(RuntimeError):
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+
+class ServiceHost:
+    """The daemon inside one container; each configure() starts it afresh."""
+
+    def __init__(self, container: ContainerHost) -> None:
+        self.c = container
+        root = container.root
+        for unit in ("cpuservice.service", "cpuservice.slice", "cpuservice-shared.slice",
+                     "cpuservice-bound.slice"):
+            shutil.copy(CHECKOUT / "systemd" / unit, root / "etc/systemd/system" / unit)
+        dropin = root / "etc/systemd/system/cpuservice.service.d"
+        dropin.mkdir(parents=True, exist_ok=True)
+        (dropin / "test.conf").write_text(DROPIN)
+        shutil.copy(CHECKOUT / "dbus/org.cpuservice1.conf",
+                    root / "etc/dbus-1/system.d/org.cpuservice1.conf")
+        container.run(["systemctl", "daemon-reload"])
+        container.run(["busctl", "call", "org.freedesktop.DBus", "/org/freedesktop/DBus",
+                       "org.freedesktop.DBus", "ReloadConfig"])
+
+    def fixture(self, machine: str) -> str:
+        path = f"{FIXTURES}/{machine}"
+        if not (self.c.root / path.lstrip("/")).exists():
+            write_sysfs(self.c.root / path.lstrip("/"), machine)
+        return path
+
+    def configure(self, machine: str | None = "a", wipe: bool = True, **settings: Any) -> None:
+        """Stop the daemon and its units, write the config, start it again."""
+        self.stop(wipe=wipe)
+        if machine is not None:
+            settings.setdefault("sysfs_root", self.fixture(machine))
+        lines = []
+        defaults = settings.pop("defaults", None)
+        for key, value in settings.items():
+            lines.append(f"{key} = {json.dumps(value)}")
+        if defaults:
+            lines.append("[defaults]")
+            lines += [f"{json.dumps(k)} = {json.dumps(v)}" for k, v in defaults.items()]
+        path = self.c.root / CONFIG.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(lines) + "\n")
+        self.start()
+
+    def start(self) -> None:
+        result = self.c.run(["systemctl", "start", "cpuservice.service"], check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"cpuservice.service did not start: {self.journal()[-3000:]}")
+
+    def stop(self, wipe: bool = False) -> None:
+        self.c.run(["systemctl", "stop", "cpuservice.service"], check=False)
+        self.c.run(["systemctl", "reset-failed", "cpuservice.service"], check=False)
+        if wipe:
+            self.c.run(["sh", "-c", "systemctl stop 'cpuservice-*.slice' 'cpuservice-*.scope';"
+                        " systemctl reset-failed; rm -rf /var/lib/cpuservice"], check=False)
+
+    def kill9(self) -> None:
+        self.c.run(["systemctl", "kill", "-s", "KILL", "cpuservice.service"])
+        for _ in range(100):
+            state = self.c.run(["systemctl", "is-active", "cpuservice.service"],
+                               check=False).stdout.strip()
+            if state != "active":
+                return
+            time.sleep(0.05)
+
+    def busctl(self, *args: str, check: bool = True) -> Any:
+        result = self.c.run(["busctl", "--json=short", *args], check=False)
+        if result.returncode != 0:
+            if check:
+                raise BusctlError(result.stderr.strip())
+            return BusctlError(result.stderr.strip())
+        return json.loads(result.stdout) if result.stdout.strip() else None
+
+    def call(self, member: str, signature: str = "", *args: str) -> list[Any]:
+        out = self.busctl("call", *DEST, member, *([signature, *args] if signature else []))
+        return out["data"] if out else []
+
+    def error(self, member: str, signature: str = "", *args: str) -> str:
+        """The error text of a call that must fail."""
+        out = self.busctl("call", *DEST, member, *([signature, *args] if signature else []),
+                          check=False)
+        assert isinstance(out, BusctlError), f"{member} {args} succeeded: {out}"
+        return out.text
+
+    def prop(self, name: str, path: str = DEST[1], iface: str = DEST[2]) -> Any:
+        return self.busctl("get-property", DEST[0], path, iface, name)["data"]
+
+    def allocate(self, name: str, cpus: str, **options: Any) -> str:
+        sig = {bool: "b", str: "s"}
+        flat: list[str] = [str(len(options))]
+        for key, value in options.items():
+            flat += [key.replace("_", "-"), sig[type(value)], str(value).lower()
+                     if isinstance(value, bool) else str(value)]
+        return str(self.call("Allocate", "ssa{sv}", name, cpus, *flat)[0])
+
+    def show(self, unit: str, *props: str) -> dict[str, str]:
+        out = self.c.run(["systemctl", "show", unit, *[f"-p{p}" for p in props]]).stdout
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def state_file(self) -> dict[str, Any]:
+        return json.loads((self.c.root / STATE.lstrip("/")).read_text())
+
+    def state_path(self) -> Path:
+        return self.c.root / STATE.lstrip("/")
+
+    def journal(self) -> str:
+        return self.c.run(["journalctl", "-u", "cpuservice.service", "--no-pager", "-o", "cat"],
+                          check=False).stdout
