@@ -45,6 +45,12 @@ def path_of(name: str) -> str:
     )
 
 
+def ascii_text(text: str) -> str:
+    """Escape non-ASCII: dbus-fast 1.84 (Debian 12) marshals multi-byte strings with a wrong
+    length, and the bus then drops the connection. Error texts quote callers' input."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
 def boundary(fn: F) -> F:
     """Named errors out, tracebacks never."""
 
@@ -53,7 +59,7 @@ def boundary(fn: F) -> F:
         try:
             return await fn(*args)
         except CPUServiceError as exc:
-            raise DBusError(exc.dbus_name, str(exc)) from None
+            raise DBusError(exc.dbus_name, ascii_text(str(exc))) from None
         except DBusError:
             raise
         except Exception:
@@ -70,14 +76,14 @@ class Allocation(ServiceInterface):
     def __init__(self, service: Service, name: str) -> None:
         super().__init__("org.cpuservice1.Allocation")
         self.service = service
-        self.name = name
+        self.allocation = name
 
     def values(self) -> dict[str, Any]:
-        a = self.service.allocation(self.name)
-        p = self.service.placement_of(self.name)
-        record = self.service.record(self.name)
+        a = self.service.allocation(self.allocation)
+        p = self.service.placement_of(self.allocation)
+        record = self.service.record(self.allocation)
         return {
-            "Name": self.name, "CPUs": str(a.request.cpus), "Bound": a.bound,
+            "Name": self.allocation, "CPUs": str(a.request.cpus), "Bound": a.bound,
             "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
             "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
             "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
@@ -88,7 +94,7 @@ class Allocation(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":
-        return self.name
+        return self.allocation
 
     @dbus_property(access=PropertyAccess.READ)
     def CPUs(self) -> "s":
@@ -137,7 +143,7 @@ class Allocation(ServiceInterface):
     @method()
     @boundary
     async def Release(self) -> None:
-        await self.service.release(self.name)
+        await self.service.release(self.allocation)
 
 
 class Manager(ServiceInterface):

@@ -21,6 +21,7 @@ from .pools import Allocation, Fragment, Ledger
 from .request import Request, parse_options
 
 VERSION = 1
+FORMAT = "cpuservice-checkpoint"
 
 
 class CheckpointError(ValueError):
@@ -51,24 +52,19 @@ def _prop_in(sig: str, value: Any) -> Any:
     return bytes.fromhex(value) if sig == "ay" else int(value)
 
 
-def to_payload(state: State) -> dict[str, Any]:
-    rows = []
-    for name in sorted(state.ledger.allocations):
-        a = state.ledger.allocations[name]
-        r = state.records.get(name, Record())
-        rows.append({
-            "name": name,
-            "cpus": str(a.request.cpus),
-            "options": compat.dump(a.request.options),
-            "whole": a.whole.format(),
-            "fragment": [a.fragment.cpu, a.fragment.pieces] if a.fragment else None,
-            "degraded": a.degraded,
-            "owner": r.owner,
-            "unit": r.unit,
-            "saved": {k: [sig, _prop_out(sig, v)] for k, (sig, v) in r.saved.items()},
-            "populated": r.populated,
-        })
-    return {"granularity": state.ledger.granularity, "allocations": rows}
+def _row(name: str, a: Allocation, r: Record) -> dict[str, Any]:
+    return {
+        "name": name,
+        "cpus": str(a.request.cpus),
+        "options": compat.dump(a.request.options),
+        "whole": a.whole.format(),
+        "fragment": [a.fragment.cpu, a.fragment.pieces] if a.fragment else None,
+        "degraded": a.degraded,
+        "owner": r.owner,
+        "unit": r.unit,
+        "saved": {k: [sig, _prop_out(sig, v)] for k, (sig, v) in r.saved.items()},
+        "populated": r.populated,
+    }
 
 
 def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
@@ -93,24 +89,42 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
     return State(ledger, records)
 
 
-def _checksum(payload: Mapping[str, Any]) -> str:
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
+def _checksum(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class Store:
-    """The checkpoint file."""
+    """The checkpoint file: a header line (format, version, checksum of the rest), then the
+    payload as one line of JSON. Rows of unchanged allocations are serialized once and reused,
+    so a checkpoint of a thousand allocations costs little more than one of ten."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._rows: dict[str, tuple[Allocation, Record, str]] = {}
+
+    def _payload_text(self, state: State) -> str:
+        rows = []
+        cache: dict[str, tuple[Allocation, Record, str]] = {}
+        for name in sorted(state.ledger.allocations):
+            a = state.ledger.allocations[name]
+            r = state.records.get(name, Record())
+            hit = self._rows.get(name)
+            if hit is not None and hit[0] is a and hit[1] is r:
+                text = hit[2]
+            else:
+                text = json.dumps(_row(name, a, r), sort_keys=True, separators=(",", ":"))
+            cache[name] = (a, r, text)
+            rows.append(text)
+        self._rows = cache
+        return f'{{"allocations":[{",".join(rows)}],"granularity":{state.ledger.granularity}}}'
 
     def save(self, state: State) -> None:
-        payload = to_payload(state)
-        document = {"version": VERSION, "checksum": _checksum(payload), "payload": payload}
+        payload = self._payload_text(state)
+        header = json.dumps({"format": FORMAT, "version": VERSION, "checksum": _checksum(payload)})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temp = self.path.with_name(f".{self.path.name}.tmp")
         with open(temp, "w") as f:
-            json.dump(document, f, sort_keys=True)
+            f.write(f"{header}\n{payload}\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, self.path)
@@ -126,16 +140,23 @@ class Store:
             text = self.path.read_text()
         except FileNotFoundError:
             return None
+        header_text, _, payload_text = text.partition("\n")
+        payload_text = payload_text.rstrip("\n")
         try:
-            document = json.loads(text)
-            payload = document["payload"]
-            version, checksum = document["version"], document["checksum"]
+            header = json.loads(header_text)
+            version, checksum = header["version"], header["checksum"]
+            if header.get("format") != FORMAT:
+                raise ValueError("not a cpuservice checkpoint")
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{self.path}: unreadable: {exc}") from None
         if version != VERSION:
             raise CheckpointError(f"{self.path}: version {version}, expected {VERSION}")
-        if checksum != _checksum(payload):
+        if checksum != _checksum(payload_text):
             raise CheckpointError(f"{self.path}: checksum mismatch")
+        try:
+            payload = json.loads(payload_text)
+        except ValueError as exc:
+            raise CheckpointError(f"{self.path}: unreadable payload: {exc}") from None
         return dict(payload)
 
     def set_aside(self) -> Path:

@@ -43,7 +43,7 @@ async def serve(cfg: config.Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    disconnected = asyncio.ensure_future(bus.wait_for_disconnect())
+    disconnected = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({disconnected, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if disconnected.done():

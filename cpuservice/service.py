@@ -276,7 +276,7 @@ class Service:
         if target.own_slice:
             await self.systemd.stop(target.unit)
         else:
-            await self.systemd.set_properties(target.unit, dict(record.saved))
+            await self.systemd.set_properties(target.unit, dict(record.saved), missing_ok=True)
 
     async def _sync(self, state: State) -> None:
         """Make systemd match ``state`` whatever it holds now (startup, rollback, repair)."""

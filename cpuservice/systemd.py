@@ -127,10 +127,15 @@ class Systemd:
         await self._run_job("StartTransientUnit", "ssa(sv)a(sa(sv))",
                             [unit, "fail", as_dbus(props), []])
 
-    async def set_properties(self, unit: str, props: Props) -> None:
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
         """SetUnitProperties at runtime (lost at reboot; the daemon re-applies them)."""
-        if props:
+        if not props:
+            return
+        try:
             await self.call("SetUnitProperties", "sba(sv)", [unit, True, as_dbus(props)])
+        except SystemdFailure as exc:
+            if not (missing_ok and NO_SUCH_UNIT in str(exc)):
+                raise
 
     async def stop(self, unit: str) -> None:
         """StopUnit and wait; a unit that is already gone is fine."""

@@ -95,7 +95,10 @@ class ServiceHost:
             if check:
                 raise BusctlError(result.stderr.strip())
             return BusctlError(result.stderr.strip())
-        return json.loads(result.stdout) if result.stdout.strip() else None
+        lines = result.stdout.strip().splitlines()
+        if not lines:
+            return None
+        return json.loads(lines[0]) if len(lines) == 1 else [json.loads(x) for x in lines]
 
     def call(self, member: str, signature: str = "", *args: str) -> list[Any]:
         out = self.busctl("call", *DEST, member, *([signature, *args] if signature else []))
@@ -111,6 +114,13 @@ class ServiceHost:
     def prop(self, name: str, path: str = DEST[1], iface: str = DEST[2]) -> Any:
         return self.busctl("get-property", DEST[0], path, iface, name)["data"]
 
+    def shares(self, path: str) -> dict[int, int]:
+        """An allocation's Shares (busctl cannot print a{uu} as JSON)."""
+        out = self.c.run(["busctl", "get-property", DEST[0], path, "org.cpuservice1.Allocation",
+                          "Shares"]).stdout.split()
+        numbers = [int(x) for x in out[2:]]
+        return dict(zip(numbers[::2], numbers[1::2], strict=True))
+
     def allocate(self, name: str, cpus: str, **options: Any) -> str:
         sig = {bool: "b", str: "s"}
         flat: list[str] = [str(len(options))]
@@ -120,11 +130,18 @@ class ServiceHost:
         return str(self.call("Allocate", "ssa{sv}", name, cpus, *flat)[0])
 
     def show(self, unit: str, *props: str) -> dict[str, str]:
+        """systemctl show, with CPU lists in the cpu-list format (systemctl separates ranges
+        with spaces)."""
         out = self.c.run(["systemctl", "show", unit, *[f"-p{p}" for p in props]]).stdout
-        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        values = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        for key in ("AllowedCPUs", "AllowedMemoryNodes", "EffectiveCPUs"):
+            if key in values:
+                values[key] = values[key].replace(" ", ",")
+        return values
 
     def state_file(self) -> dict[str, Any]:
-        return json.loads((self.c.root / STATE.lstrip("/")).read_text())
+        """The checkpoint's payload (the line after the header)."""
+        return json.loads(self.state_path().read_text().split("\n")[1])
 
     def state_path(self) -> Path:
         return self.c.root / STATE.lstrip("/")
