@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        bench-placement run
+        bench-placement bench-service run
 
 setup:
 	bash scripts/install-deps.sh all
@@ -38,3 +38,6 @@ bench-placement:
 
 run:
 	bash scripts/run.sh
+
+bench-service:
+	PYTHONPATH=$(CURDIR) $(PY) bench/service.py

@@ -8,6 +8,7 @@ else is logged and answered with a generic error, so no caller ever sees a trace
 import contextvars
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -155,6 +156,7 @@ class Manager(ServiceInterface):
         self.bus = bus
         self.objects: dict[str, Allocation] = {}
         self._last: dict[str, dict[str, Any]] = {}
+        self._uids: OrderedDict[str, int] = OrderedDict()
         service.events = self
 
     def export_all(self) -> None:
@@ -170,16 +172,22 @@ class Manager(ServiceInterface):
         return obj
 
     async def _caller_uid(self) -> int:
+        """The caller's uid from the bus (unique names are never reused: cache them)."""
         sender = current_sender.get()
         if not sender:
             return 0
+        if sender in self._uids:
+            return self._uids[sender]
         reply = await self.bus.call(Message(
             destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
             interface="org.freedesktop.DBus", member="GetConnectionUnixUser", signature="s",
             body=[sender]))
         if reply is None or reply.message_type != MessageType.METHOD_RETURN:
             raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "caller unknown")
-        return int(reply.body[0])
+        self._uids[sender] = int(reply.body[0])
+        while len(self._uids) > 4096:
+            self._uids.popitem(last=False)
+        return self._uids[sender]
 
     # ---- Events ----
 

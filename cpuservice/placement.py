@@ -234,7 +234,7 @@ def candidates(topology: Topology, ledger: Ledger, opts: Options, avoid: str) ->
         key = topology.levels[3 if avoid == "pcpu" else 1]
         used = {
             key[c]
-            for a in ledger.allocations.values()
+            for a in ledger.bound.values()
             if a.request.options.exclusive == opts.exclusive
             for c in a.held
         }

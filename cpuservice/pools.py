@@ -59,16 +59,28 @@ class Ledger:
     granularity: int = 100
     min_shared_cpus: int = 1
     allocations: Mapping[str, Allocation] = field(default_factory=lambda: MappingProxyType({}))
+    bound: Mapping[str, Allocation] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        """``bound`` (the bound allocations) is derived; with_allocation/without keep it up to
+        date in O(bound) so that a thousand unbound allocations cost the pools nothing."""
+        if len(self.bound) > len(self.allocations) or any(
+            self.allocations.get(n) is not a for n, a in self.bound.items()
+        ) or sum(a.bound for a in self.allocations.values()) != len(self.bound):
+            bound = {n: a for n, a in self.allocations.items() if a.bound}
+            object.__setattr__(self, "bound", MappingProxyType(bound))
 
     @cached_property
     def exclusive(self) -> CPUSet:
-        return CPUSet.union_all(a.whole for a in self.allocations.values())
+        return CPUSet.union_all(a.whole for a in self.bound.values())
 
     @cached_property
     def fragment_pieces(self) -> dict[int, int]:
         """Fragment CPU -> pieces used on it."""
         used: dict[int, int] = {}
-        for a in self.allocations.values():
+        for a in self.bound.values():
             if a.fragment:
                 used[a.fragment.cpu] = used.get(a.fragment.cpu, 0) + a.fragment.pieces
         return used
@@ -110,17 +122,31 @@ class Ledger:
 
     def owner_of(self, cpu: int) -> list[str]:
         """Names of the allocations holding ``cpu``."""
-        return sorted(a.name for a in self.allocations.values() if cpu in a.held)
+        return sorted(a.name for a in self.bound.values() if cpu in a.held)
 
     def with_allocation(self, allocation: Allocation) -> Ledger:
         allocations = dict(self.allocations)
         allocations[allocation.name] = allocation
-        return replace(self, allocations=MappingProxyType(allocations))
+        bound = dict(self.bound)
+        bound.pop(allocation.name, None)
+        if allocation.bound:
+            bound[allocation.name] = allocation
+        return self._with(allocations, bound)
 
     def without(self, name: str) -> Ledger:
         allocations = dict(self.allocations)
         del allocations[name]
-        return replace(self, allocations=MappingProxyType(allocations))
+        bound = dict(self.bound)
+        bound.pop(name, None)
+        return self._with(allocations, bound)
+
+    def _with(self, allocations: dict[str, Allocation], bound: dict[str, Allocation]) -> Ledger:
+        new = Ledger.__new__(Ledger)
+        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
+            object.__setattr__(new, f, getattr(self, f))
+        object.__setattr__(new, "allocations", MappingProxyType(allocations))
+        object.__setattr__(new, "bound", MappingProxyType(bound))
+        return new
 
     def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
         """The same allocations on another online set; callers repair what that breaks."""
@@ -133,9 +159,15 @@ def check_invariants(ledger: Ledger) -> None:
     """Raise InvariantError naming every broken invariant."""
     problems: list[str] = []
     seen: dict[int, str] = {}
+    bound = 0
     for a in ledger.allocations.values():
-        if not a.bound and a.held:
+        if a.request.options.bind:
+            bound += 1
+        elif a.whole or a.fragment:
             problems.append(f"unbound allocation {a.name!r} holds CPUs {a.held}")
+    if bound != len(ledger.bound):
+        problems.append("the index of bound allocations does not match the allocations")
+    for a in ledger.bound.values():
         for cpu in a.whole:
             if cpu in seen:
                 problems.append(f"CPU {cpu} is exclusive to both {seen[cpu]!r} and {a.name!r}")

@@ -134,7 +134,7 @@ def _restore_shared_minimum(topology: Topology, ledger: Ledger) -> Ledger:
     """Take CPUs back from bound allocations while the shared pool is below its minimum."""
     need = min(ledger.min_shared_cpus, len(ledger.online - ledger.isolated))
     while len(ledger.shared) < need:
-        donors = [a for a in ledger.allocations.values() if a.whole - ledger.isolated]
+        donors = [a for a in ledger.bound.values() if a.whole - ledger.isolated]
         if donors:
             donor = max(donors, key=lambda a: (len(a.whole), a.name))
             movable = donor.whole - ledger.isolated
@@ -143,7 +143,7 @@ def _restore_shared_minimum(topology: Topology, ledger: Ledger) -> Ledger:
             ledger = ledger.with_allocation(replace(donor, whole=keep, degraded=True))
             continue
         cpu = max(ledger.fragment - ledger.isolated, key=lambda c: (-ledger.fragment_pieces[c], c))
-        for a in list(ledger.allocations.values()):
+        for a in list(ledger.bound.values()):
             if a.fragment and a.fragment.cpu == cpu:
                 ledger = ledger.with_allocation(replace(a, fragment=None, degraded=True))
     return ledger

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from types import MappingProxyType
@@ -79,6 +79,7 @@ class Service:
         self._attached = 0
         self._lifetime_task: asyncio.Task[None] | None = None
         self._watched: dict[str, str] = {}  # unit object path -> allocation name
+        self._target_cache: dict[str, tuple[tuple[Any, ...], units.Target]] = {}
         systemd.on_unit_removed = self._on_unit_removed
         systemd.on_unit_new = self._on_unit_new
         systemd.on_unit_state = self._on_unit_state
@@ -226,45 +227,76 @@ class Service:
         self.state = new
         self._publish(old, new, reasons or {})
 
+    def _target(self, state: State, name: str) -> units.Target:
+        """What systemd should hold for one allocation (memoized: unchanged allocations keep
+        their Allocation and Record objects, so a thousand of them cost a lookup each)."""
+        a = state.ledger.allocations[name]
+        record = state.records.get(name, Record())
+        own = record.unit == units.slice_name(name, a.bound)
+        follows_shared = _follows_shared(a, own)
+        key = (a, record, state.ledger.shared if follows_shared else None)
+        hit = self._target_cache.get(name)
+        if hit is not None and hit[0][0] is a and hit[0][1] is record and hit[0][2] == key[2]:
+            return hit[1]
+        p = placement.describe(self.topology, state.ledger, a)
+        props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
+        if own:
+            props["Description"] = ("s", units.describe(name, _fields(a, record)))
+        target = units.Target(record.unit, props, own)
+        self._target_cache[name] = (key, target)
+        return target
+
     def _targets(self, state: State) -> dict[str, units.Target]:
-        out = {}
-        ledger = state.ledger
-        for name, a in ledger.allocations.items():
-            record = state.records.get(name, Record())
-            p = placement.describe(self.topology, ledger, a)
-            own = record.unit == units.slice_name(name, a.bound)
-            props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
-            if own:
-                props["Description"] = ("s", units.describe(name, _fields(a, record)))
-            out[name] = units.Target(record.unit, props, own)
-        return out
+        return {name: self._target(state, name) for name in state.ledger.allocations}
+
+    @staticmethod
+    def _changed(old: State, new: State) -> set[str]:
+        """Allocations whose systemd target may differ between two states."""
+        names = {
+            n for n in old.ledger.allocations.keys() | new.ledger.allocations.keys()
+            if old.ledger.allocations.get(n) is not new.ledger.allocations.get(n)
+            or old.records.get(n) is not new.records.get(n)
+        }
+        if old.ledger.shared != new.ledger.shared:
+            names.update(
+                n for n, a in new.ledger.allocations.items()
+                if _follows_shared(a, new.records[n].unit == units.slice_name(n, a.bound))
+            )
+        return names
 
     def _shared_units(self) -> tuple[str, ...]:
         return (units.SHARED, *(units.CONFINED if self.config.confine_host else ()))
 
-    async def _set_shared(self, cpus: CPUSet) -> None:
-        for unit in self._shared_units():
-            await self.systemd.set_properties(unit, units.shared_props(cpus))
+    def _set_shared(self, cpus: CPUSet) -> list[Awaitable[None]]:
+        return [self.systemd.set_properties(unit, units.shared_props(cpus))
+                for unit in self._shared_units()]
 
     async def _apply(self, old: State, new: State) -> None:
-        """The calls that take systemd from ``old`` to ``new``: shrink the shared pool first,
-        grow it last, so a CPU is never in the shared pool and a bound slice at once."""
-        before, after = self._targets(old), self._targets(new)
+        """The calls that take systemd from ``old`` to ``new``: the shared pool shrinks first and
+        grows last, so a CPU is never in the shared pool and a bound slice at once. Calls are
+        pipelined: systemd handles one connection's messages in order."""
+        calls: list[Awaitable[None]] = []
         old_shared, new_shared = old.ledger.shared, new.ledger.shared
         between = old_shared & new_shared
         if new_shared != old_shared and between and between != old_shared:
-            await self._set_shared(between)
-        for name in before.keys() - after.keys():
-            await self._remove(before[name], old.records[name])
-        for name, target in after.items():
-            previous = before.get(name)
-            if previous is None or previous.unit != target.unit:
-                await self._create(target)
+            calls += self._set_shared(between)
+        for name in sorted(self._changed(old, new)):
+            before = self._target(old, name) if name in old.ledger.allocations else None
+            after = self._target(new, name) if name in new.ledger.allocations else None
+            if after is None:
+                assert before is not None
+                calls.append(self._remove(before, old.records[name]))
+            elif before is None or before.unit != after.unit:
+                calls.append(self._create(after))
             else:
-                changed = {k: v for k, v in target.props.items() if previous.props.get(k) != v}
-                await self.systemd.set_properties(target.unit, changed)
+                changed = {k: v for k, v in after.props.items() if before.props.get(k) != v}
+                calls.append(self.systemd.set_properties(after.unit, changed))
         if new_shared != old_shared and new_shared != between:
-            await self._set_shared(new_shared)
+            calls += self._set_shared(new_shared)
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
 
     async def _create(self, target: units.Target) -> None:
         if target.own_slice:
@@ -304,18 +336,18 @@ class Service:
             await self.systemd.set_properties(target.unit, units.differs(target.props, have))
 
     def _publish(self, old: State, new: State, reasons: Mapping[str, str]) -> None:
+        """Signals for what changed. An unbound allocation's CPUSet is the shared pool: its
+        changes are announced once, by PoolsChanged, not once per allocation."""
         before, after = old.ledger.allocations, new.ledger.allocations
-        for name in before.keys() - after.keys():
-            self.events.allocation_removed(name)
-        for name in sorted(after.keys() - before.keys()):
-            self.events.allocation_added(name)
-        for name in sorted(after.keys() & before.keys()):
-            changed = after[name] != before[name] or (
-                placement.describe(self.topology, new.ledger, after[name])
-                != placement.describe(self.topology, old.ledger, before[name])
-            ) or new.records.get(name) != old.records.get(name)
-            if changed or name in reasons:
-                self.events.allocation_changed(name, reasons.get(name, "pools changed"))
+        for name in sorted(self._changed(old, new) | reasons.keys()):
+            if name not in after:
+                self.events.allocation_removed(name)
+            elif name not in before:
+                self.events.allocation_added(name)
+            elif before[name] is not after[name] or name in reasons or (
+                new.records.get(name) is not old.records.get(name)
+            ):
+                self.events.allocation_changed(name, reasons.get(name, "changed"))
         pools = ("shared", "exclusive", "fragment")
         if any(getattr(old.ledger, p) != getattr(new.ledger, p) for p in pools):
             self.events.pools_changed(new.ledger)
@@ -446,6 +478,13 @@ class Service:
                             await self._commit(State(self.ledger, records))
         except CPUServiceError as exc:
             log.error("lifetime check failed: %s", exc)
+
+
+def _follows_shared(a: Allocation, own_slice: bool) -> bool:
+    """Whether an allocation's unit properties change with the shared pool."""
+    if a.bound:
+        return not a.held  # degraded to nothing: it runs on the shared pool
+    return a.request.options.memory_nodes or not own_slice
 
 
 def _fields(a: Allocation, record: Record) -> dict[str, str]:

@@ -141,7 +141,8 @@ class ServiceHost:
 
     def state_file(self) -> dict[str, Any]:
         """The checkpoint's payload (the line after the header)."""
-        return json.loads(self.state_path().read_text().split("\n")[1])
+        payload: dict[str, Any] = json.loads(self.state_path().read_text().split("\n")[1])
+        return payload
 
     def state_path(self) -> Path:
         return self.c.root / STATE.lstrip("/")
