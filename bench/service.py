@@ -28,7 +28,7 @@ from tests.envs.container import ContainerHost
 from tests.integration import client
 from tests.integration.service_env import ServiceHost
 
-ROUNDS = 200
+ROUNDS = int(os.environ.get("CPUSERVICE_BENCH_ROUNDS", "200"))
 
 
 async def _allocate_once(bus: MessageBus, name: str) -> float:
@@ -83,7 +83,7 @@ def _cpu_seconds(pid: int, root: Path) -> float:
 def main() -> int:
     with ContainerHost("cpuservice-bench") as container:
         daemon = ServiceHost(container)
-        daemon.configure("e")
+        daemon.configure("c")
         address = container.bus_address
         asyncio.run(measure(address, 20, True))  # warm-up
         alloc_us, floor_us = asyncio.run(measure(address, ROUNDS, True))

@@ -56,7 +56,7 @@ def _row(name: str, a: Allocation, r: Record) -> dict[str, Any]:
     return {
         "name": name,
         "cpus": str(a.request.cpus),
-        "options": compat.dump(a.request.options),
+        "options": compat.dump(a.request.options, exclude_defaults=True),
         "whole": a.whole.format(),
         "fragment": [a.fragment.cpu, a.fragment.pieces] if a.fragment else None,
         "degraded": a.degraded,
@@ -95,31 +95,31 @@ def _checksum(text: str) -> str:
 
 class Store:
     """The checkpoint file: a header line (format, version, checksum of the rest), then the
-    payload as one line of JSON. Rows of unchanged allocations are serialized once and reused,
-    so a checkpoint of a thousand allocations costs little more than one of ten."""
+    payload as one line of JSON. Rows of unchanged allocations are serialized once and reused."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._rows: dict[str, tuple[Allocation, Record, str]] = {}
+        self._rows: dict[str, str] = {}  # allocation name -> its JSON row
 
-    def _payload_text(self, state: State) -> str:
-        rows = []
-        cache: dict[str, tuple[Allocation, Record, str]] = {}
-        for name in sorted(state.ledger.allocations):
-            a = state.ledger.allocations[name]
-            r = state.records.get(name, Record())
-            hit = self._rows.get(name)
-            if hit is not None and hit[0] is a and hit[1] is r:
-                text = hit[2]
+    def _payload_text(self, state: State, touched: set[str] | None) -> str:
+        allocations, records = state.ledger.allocations, state.records
+        if touched is None or len(self._rows) + sum(
+            (n in allocations) - (n in self._rows) for n in touched
+        ) != len(allocations):
+            touched = set(allocations) | set(self._rows)
+        for name in touched:
+            if name in allocations:
+                row = _row(name, allocations[name], records.get(name, Record()))
+                self._rows[name] = json.dumps(row, sort_keys=True, separators=(",", ":"))
             else:
-                text = json.dumps(_row(name, a, r), sort_keys=True, separators=(",", ":"))
-            cache[name] = (a, r, text)
-            rows.append(text)
-        self._rows = cache
-        return f'{{"allocations":[{",".join(rows)}],"granularity":{state.ledger.granularity}}}'
+                self._rows.pop(name, None)
+        rows = ",".join(self._rows.values())
+        return f'{{"allocations":[{rows}],"granularity":{state.ledger.granularity}}}'
 
-    def save(self, state: State) -> None:
-        payload = self._payload_text(state)
+    def save(self, state: State, touched: set[str] | None = None) -> None:
+        """Write ``state``; ``touched`` names the allocations changed since the last save (the
+        others' rows are reused), None for all."""
+        payload = self._payload_text(state, touched)
         header = json.dumps({"format": FORMAT, "version": VERSION, "checksum": _checksum(payload)})
         self.path.parent.mkdir(parents=True, exist_ok=True)
         temp = self.path.with_name(f".{self.path.name}.tmp")

@@ -37,11 +37,13 @@ def load(cls: type[M], data: Mapping[str, Any]) -> M:
     return cls.parse_obj(dict(data))
 
 
-def dump(model: pydantic.BaseModel, by_alias: bool = True) -> dict[str, Any]:
+def dump(
+    model: pydantic.BaseModel, by_alias: bool = True, exclude_defaults: bool = False
+) -> dict[str, Any]:
     """The model's fields as a plain dict (Python values, not JSON)."""
     if PYDANTIC_V2:
-        return model.model_dump(by_alias=by_alias)
-    return model.dict(by_alias=by_alias)
+        return model.model_dump(by_alias=by_alias, exclude_defaults=exclude_defaults)
+    return model.dict(by_alias=by_alias, exclude_defaults=exclude_defaults)
 
 
 def field_aliases(cls: type[pydantic.BaseModel]) -> dict[str, str]:

@@ -27,7 +27,7 @@ def _parse_id(text: str, part: str) -> int:
 class CPUSet:
     """Sorted, hashable, immutable set of non-negative ids with set algebra."""
 
-    __slots__ = ("_ids", "_sorted")
+    __slots__ = ("_ids", "_sorted", "_text")
 
     def __init__(self, ids: Iterable[int] = ()) -> None:
         frozen = frozenset(ids)
@@ -36,6 +36,7 @@ class CPUSet:
                 raise CPUSetError(f"CPU id {cpu!r} is out of range 0..{MAX_CPU_ID}")
         self._ids = frozen
         self._sorted: tuple[int, ...] | None = None
+        self._text: str | None = None
 
     @classmethod
     def _trusted(cls, ids: frozenset[int]) -> CPUSet:
@@ -43,6 +44,7 @@ class CPUSet:
         new = cls.__new__(cls)
         new._ids = ids
         new._sorted = None
+        new._text = None
         return new
 
     @classmethod
@@ -81,7 +83,12 @@ class CPUSet:
         return bytes(out)
 
     def format(self) -> str:
-        """The canonical cpu-list string, ranges collapsed."""
+        """The canonical cpu-list string, ranges collapsed (computed once)."""
+        if self._text is None:
+            self._text = self._format()
+        return self._text
+
+    def _format(self) -> str:
         parts: list[str] = []
         ids = self.sorted()
         i = 0

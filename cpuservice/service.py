@@ -79,7 +79,8 @@ class Service:
         self._attached = 0
         self._lifetime_task: asyncio.Task[None] | None = None
         self._watched: dict[str, str] = {}  # unit object path -> allocation name
-        self._target_cache: dict[str, tuple[tuple[Any, ...], units.Target]] = {}
+        self._target_cache: dict[str, tuple[Allocation, Record, CPUSet | None, units.Target]] = {}
+        self._followers: set[str] = set()  # allocations whose unit follows the shared pool
         systemd.on_unit_removed = self._on_unit_removed
         systemd.on_unit_new = self._on_unit_new
         systemd.on_unit_state = self._on_unit_state
@@ -124,7 +125,7 @@ class Service:
             unit, saved = await self._target_unit(name, request)
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
             record = Record(owner, unit, saved)
-            await self._commit(State(ledger, {**self.state.records, name: record}))
+            await self._commit(State(ledger, {**self.state.records, name: record}), {name})
             if request.options.lifetime == "unit" and unit != units.slice_name(name, True) and (
                 unit != units.slice_name(name, False)
             ):
@@ -150,7 +151,7 @@ class Service:
             self.allocation(name)
             ledger = placement.release(self.ledger, name)
             records = {k: v for k, v in self.state.records.items() if k != name}
-            await self._commit(State(ledger, records))
+            await self._commit(State(ledger, records), {name})
             for path, watched in list(self._watched.items()):
                 if watched == name:
                     del self._watched[path]
@@ -162,7 +163,8 @@ class Service:
         async with self.lock:
             self.allocation(name)
             ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
-            await self._commit(State(ledger, self.state.records), {name: f"resized to {amount}"})
+            await self._commit(State(ledger, self.state.records), {name},
+                               {name: f"resized to {amount}"})
             return allocation
 
     async def attach(self, name: str, pids: Sequence[int]) -> str:
@@ -187,7 +189,7 @@ class Service:
                 raise InvalidArgument(f"cannot attach PIDs {list(pids)}: {exc}") from None
             if not record.populated:
                 records = {**self.state.records, name: replace(record, populated=True)}
-                await self._commit(State(self.ledger, records))
+                await self._commit(State(self.ledger, records), {name})
             return scope
 
     async def revalidate(self, reason: str = "revalidate") -> None:
@@ -197,71 +199,80 @@ class Service:
             ledger, changes = repair(topology, self.ledger)
             self.topology = topology
             reasons = {c.name: c.reason for c in changes}
-            await self._commit(State(ledger, self.state.records), reasons, sync=True)
+            await self._commit(State(ledger, self.state.records), None, reasons, sync=True)
             log.info("%s: %s", reason, reasons or "nothing to repair")
 
     # ---- commit / apply ------------------------------------------------------------------
 
     async def _commit(
-        self, new: State, reasons: Mapping[str, str] | None = None, sync: bool = False
+        self,
+        new: State,
+        touched: set[str] | None,
+        reasons: Mapping[str, str] | None = None,
+        sync: bool = False,
     ) -> None:
-        """Checkpoint, apply to systemd, publish; on failure roll back both and raise."""
+        """Checkpoint, apply to systemd, publish; on failure roll back both and raise.
+        ``touched``: the allocations the change is about (None: look at all of them)."""
         check_invariants(new.ledger)
         old = self.state
-        self.store.save(new)
+        changed = self._changed(old, new, touched)
+        self.store.save(new, changed)
         try:
             if sync:
                 await self._sync(new)
             else:
-                await self._apply(old, new)
+                await self._apply(old, new, changed)
         except Exception as exc:
             log.error("applying a change failed, rolling back: %s", exc)
             try:
                 await self._sync(old)
             except Exception as again:
                 log.error("rollback incomplete: %s", again)
-            self.store.save(old)
+            self.store.save(old, changed)
             if isinstance(exc, CPUServiceError):
                 raise
             raise SystemdFailure(f"systemd failed: {exc}") from None
         self.state = new
-        self._publish(old, new, reasons or {})
+        self._publish(old, new, changed, reasons or {})
 
     def _target(self, state: State, name: str) -> units.Target:
         """What systemd should hold for one allocation (memoized: unchanged allocations keep
-        their Allocation and Record objects, so a thousand of them cost a lookup each)."""
+        their Allocation and Record objects)."""
         a = state.ledger.allocations[name]
         record = state.records.get(name, Record())
-        own = record.unit == units.slice_name(name, a.bound)
-        follows_shared = _follows_shared(a, own)
-        key = (a, record, state.ledger.shared if follows_shared else None)
+        own = _own_slice(record)
+        follows = _follows_shared(a, own)
+        shared = state.ledger.shared if follows else None
         hit = self._target_cache.get(name)
-        if hit is not None and hit[0][0] is a and hit[0][1] is record and hit[0][2] == key[2]:
-            return hit[1]
+        if hit is not None and hit[0] is a and hit[1] is record and hit[2] == shared:
+            return hit[3]
         p = placement.describe(self.topology, state.ledger, a)
         props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
         if own:
             props["Description"] = ("s", units.describe(name, _fields(a, record)))
         target = units.Target(record.unit, props, own)
-        self._target_cache[name] = (key, target)
+        self._target_cache[name] = (a, record, shared, target)
+        if follows:
+            self._followers.add(name)
+        else:
+            self._followers.discard(name)
         return target
 
     def _targets(self, state: State) -> dict[str, units.Target]:
         return {name: self._target(state, name) for name in state.ledger.allocations}
 
-    @staticmethod
-    def _changed(old: State, new: State) -> set[str]:
+    def _changed(self, old: State, new: State, touched: set[str] | None) -> set[str]:
         """Allocations whose systemd target may differ between two states."""
-        names = {
-            n for n in old.ledger.allocations.keys() | new.ledger.allocations.keys()
-            if old.ledger.allocations.get(n) is not new.ledger.allocations.get(n)
-            or old.records.get(n) is not new.records.get(n)
-        }
+        if touched is None:
+            names = {
+                n for n in old.ledger.allocations.keys() | new.ledger.allocations.keys()
+                if old.ledger.allocations.get(n) is not new.ledger.allocations.get(n)
+                or old.records.get(n) is not new.records.get(n)
+            }
+        else:
+            names = set(touched)
         if old.ledger.shared != new.ledger.shared:
-            names.update(
-                n for n, a in new.ledger.allocations.items()
-                if _follows_shared(a, new.records[n].unit == units.slice_name(n, a.bound))
-            )
+            names |= self._followers & new.ledger.allocations.keys()
         return names
 
     def _shared_units(self) -> tuple[str, ...]:
@@ -271,7 +282,7 @@ class Service:
         return [self.systemd.set_properties(unit, units.shared_props(cpus))
                 for unit in self._shared_units()]
 
-    async def _apply(self, old: State, new: State) -> None:
+    async def _apply(self, old: State, new: State, changed: set[str]) -> None:
         """The calls that take systemd from ``old`` to ``new``: the shared pool shrinks first and
         grows last, so a CPU is never in the shared pool and a bound slice at once. Calls are
         pipelined: systemd handles one connection's messages in order."""
@@ -280,7 +291,7 @@ class Service:
         between = old_shared & new_shared
         if new_shared != old_shared and between and between != old_shared:
             calls += self._set_shared(between)
-        for name in sorted(self._changed(old, new)):
+        for name in sorted(changed):
             before = self._target(old, name) if name in old.ledger.allocations else None
             after = self._target(new, name) if name in new.ledger.allocations else None
             if after is None:
@@ -289,8 +300,8 @@ class Service:
             elif before is None or before.unit != after.unit:
                 calls.append(self._create(after))
             else:
-                changed = {k: v for k, v in after.props.items() if before.props.get(k) != v}
-                calls.append(self.systemd.set_properties(after.unit, changed))
+                diff = {k: v for k, v in after.props.items() if before.props.get(k) != v}
+                calls.append(self.systemd.set_properties(after.unit, diff))
         if new_shared != old_shared and new_shared != between:
             calls += self._set_shared(new_shared)
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -335,12 +346,16 @@ class Service:
                 have.update(await self.systemd.get(target.unit, UNIT_IFACE, ["Description"]))
             await self.systemd.set_properties(target.unit, units.differs(target.props, have))
 
-    def _publish(self, old: State, new: State, reasons: Mapping[str, str]) -> None:
+    def _publish(
+        self, old: State, new: State, changed: set[str], reasons: Mapping[str, str]
+    ) -> None:
         """Signals for what changed. An unbound allocation's CPUSet is the shared pool: its
         changes are announced once, by PoolsChanged, not once per allocation."""
         before, after = old.ledger.allocations, new.ledger.allocations
-        for name in sorted(self._changed(old, new) | reasons.keys()):
+        for name in sorted(changed | reasons.keys()):
             if name not in after:
+                self._target_cache.pop(name, None)
+                self._followers.discard(name)
                 self.events.allocation_removed(name)
             elif name not in before:
                 self.events.allocation_added(name)
@@ -475,9 +490,14 @@ class Service:
                         if name in self.state.records:
                             records = {**self.state.records,
                                        name: replace(self.record(name), populated=True)}
-                            await self._commit(State(self.ledger, records))
+                            await self._commit(State(self.ledger, records), {name})
         except CPUServiceError as exc:
             log.error("lifetime check failed: %s", exc)
+
+
+def _own_slice(record: Record) -> bool:
+    """Whether the allocation has its own slice (foreign units never start with cpuservice)."""
+    return record.unit.startswith("cpuservice-")
 
 
 def _follows_shared(a: Allocation, own_slice: bool) -> bool:

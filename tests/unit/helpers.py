@@ -6,7 +6,7 @@ from typing import Any
 
 from cpuservice import placement
 from cpuservice.cpuset import CPUSet
-from cpuservice.pools import Allocation, Ledger, check_invariants
+from cpuservice.pools import Allocation, Ledger, check_index, check_invariants
 from cpuservice.request import Request
 from cpuservice.topology import Topology
 
@@ -25,6 +25,7 @@ def alloc(
 ) -> tuple[Ledger, Allocation]:
     new, a = placement.allocate(topology, ledger, name, request)
     check_invariants(new)
+    check_index(new)
     return new, a
 
 

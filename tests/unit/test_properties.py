@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from cpuservice import placement
 from cpuservice.cpuset import CPUSet
 from cpuservice.errors import InsufficientCPUs, InvalidArgument
-from cpuservice.pools import check_invariants
+from cpuservice.pools import check_index, check_invariants
 from cpuservice.repair import repair
 from cpuservice.request import Request
 
@@ -72,6 +72,7 @@ def test_random_sequences_keep_invariants(machine, name: str, ops, granularity: 
         except (InsufficientCPUs, InvalidArgument):
             pass
         check_invariants(ledger)
+        check_index(ledger)
         for a in ledger.allocations.values():
             assert a.held <= topology.online
     topology = full
