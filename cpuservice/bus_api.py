@@ -78,12 +78,18 @@ class Allocation(ServiceInterface):
         super().__init__("org.cpuservice1.Allocation")
         self.service = service
         self.allocation = name
+        self._cache: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     def values(self) -> dict[str, Any]:
+        """All properties (computed once per change of the allocation or of its pool)."""
         a = self.service.allocation(self.allocation)
-        p = self.service.placement_of(self.allocation)
         record = self.service.record(self.allocation)
-        return {
+        key = (a, record, None if a.held else self.service.ledger.shared)
+        if self._cache is not None and all(x is y for x, y in zip(self._cache[0], key,
+                                                                    strict=True)):
+            return self._cache[1]
+        p = self.service.placement_of(self.allocation)
+        values = {
             "Name": self.allocation, "CPUs": str(a.request.cpus), "Bound": a.bound,
             "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
             "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
@@ -92,6 +98,8 @@ class Allocation(ServiceInterface):
             "State": "degraded" if a.degraded else "active",
             "Lifetime": a.request.options.lifetime,
         }
+        self._cache = (key, values)
+        return values
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":

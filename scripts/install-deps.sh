@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Install what a tier needs from Debian 12's packages (idempotent; run as root).
-#   scripts/install-deps.sh base|unit|integration|lab|all ...
+#   scripts/install-deps.sh base|runtime|unit|integration|lab|all ...
 set -euo pipefail
 declare -A PKGS=(
   [base]="make python3 python3-venv python3-pip"
+  [runtime]="python3 python3-dbus-fast python3-pydantic python3-pyudev dbus systemd polkitd"
   [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis"
   [integration]="systemd systemd-container dbus polkitd util-linux"
   [lab]="qemu-system-x86 debootstrap linux-image-amd64 e2fsprogs"

@@ -9,6 +9,7 @@ same path. Everything it creates (processes, mounts, cgroup directories) is remo
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,7 @@ class ContainerHost:
         self.binds = list(binds)
         self.base: Path | None = None
         self.nspawn: subprocess.Popen[bytes] | None = None
+        self.nspawn_pid = 0
         self.pid1 = 0
         self.boot_seconds = 0.0
         self._cgroups_before: set[Path] = set()
@@ -91,6 +93,7 @@ class ContainerHost:
                 stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+            self.nspawn_pid = self.nspawn.pid
             self._wait_running(began + timeout)
         except BaseException:
             self.stop()
@@ -117,8 +120,7 @@ class ContainerHost:
         raise ContainerError(f"container did not boot in time: {self.log_tail()}")
 
     def _find_pid1(self) -> int:
-        assert self.nspawn is not None
-        for task in Path(f"/proc/{self.nspawn.pid}/task").glob("*/children"):
+        for task in Path(f"/proc/{self.nspawn_pid}/task").glob("*/children"):
             for child in task.read_text().split():
                 if Path(f"/proc/{child}/comm").read_text().strip() == "systemd":
                     return int(child)
@@ -143,18 +145,33 @@ class ContainerHost:
             )
         return result  # type: ignore[no-any-return]
 
+    def _running(self) -> bool:
+        if self.nspawn is not None:
+            return self.nspawn.poll() is None
+        try:
+            stat = Path(f"/proc/{self.nspawn_pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return bool(self.nspawn_pid) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    def _wait_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return not self._running()
+
     def stop(self, timeout: float = 30) -> None:
         """Power off, end nspawn (by PID, if it lingers), unmount, remove its cgroup dirs."""
-        if self.nspawn is not None and self.nspawn.poll() is None:
+        if self.nspawn_pid and self._running():
             if self.pid1:
                 with contextlib.suppress(Exception):
                     self.run(["systemctl", "poweroff", "--no-block"], check=False, timeout=10)
-            try:
-                self.nspawn.wait(timeout)
-            except subprocess.TimeoutExpired:
+            if not self._wait_gone(timeout):
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.nspawn.pid, signal.SIGKILL)
-                self.nspawn.wait(10)
+                    os.killpg(self.nspawn_pid, signal.SIGKILL)
+                self._wait_gone(10)
+        if self.nspawn is not None:
+            self.nspawn.wait(10)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -171,7 +188,28 @@ class ContainerHost:
         for leftover in sorted(_cgroup_tree() - self._cgroups_before, key=lambda p: -len(p.parts)):
             with contextlib.suppress(OSError):
                 leftover.rmdir()
-        self.pid1 = 0
+        self.pid1 = self.nspawn_pid = 0
+
+    def detach(self, state_file: Path) -> None:
+        """Leave the container running; attach(state_file) finds it again (to stop it)."""
+        state = {"name": self.name, "nspawn_pid": self.nspawn_pid, "pid1": self.pid1,
+                 "base": str(self.base), "mounts": [str(m) for m in self._mounts],
+                 "cgroups_before": sorted(str(c) for c in self._cgroups_before)}
+        state_file.write_text(json.dumps(state))
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.nspawn = None
+
+    @classmethod
+    def attach(cls, state_file: Path) -> ContainerHost:
+        state = json.loads(state_file.read_text())
+        host = cls(state["name"])
+        host.nspawn_pid, host.pid1 = state["nspawn_pid"], state["pid1"]
+        host.base = Path(state["base"])
+        host._mounts = [Path(m) for m in state["mounts"]]
+        host._cgroups_before = {Path(c) for c in state["cgroups_before"]}
+        return host
 
     def __enter__(self) -> ContainerHost:
         return self.start()

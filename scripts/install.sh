@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Install cpuservice from this checkout on a host where systemd is PID 1 (run as root):
+# Debian's packages for the dependencies, the Python package under /usr/local/lib/cpuservice,
+# the units, the bus policy and activation file, a commented config; then start the service.
+set -euo pipefail
+src=$(cd "$(dirname "$0")/.." && pwd)
+bash "$src/scripts/install-deps.sh" runtime
+lib=/usr/local/lib/cpuservice
+rm -rf "$lib" && install -d "$lib"
+cp -r "$src/cpuservice" "$lib/" && find "$lib" -name __pycache__ -prune -exec rm -rf {} +
+install -m644 "$src"/systemd/cpuservice.service "$src"/systemd/cpuservice*.slice /etc/systemd/system/
+install -d /etc/systemd/system/cpuservice.service.d
+printf '[Service]\nEnvironment=PYTHONPATH=%s\n' "$lib" \
+    > /etc/systemd/system/cpuservice.service.d/local-install.conf
+install -m644 "$src/dbus/org.cpuservice1.conf" /etc/dbus-1/system.d/
+install -d /usr/local/share/dbus-1/system-services
+install -m644 "$src/dbus/org.cpuservice1.service" /usr/local/share/dbus-1/system-services/
+install -d /etc/cpuservice
+[ -e /etc/cpuservice/cpuservice.toml ] || install -m644 "$src/systemd/cpuservice.toml" /etc/cpuservice/
+busctl call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig
+systemctl daemon-reload
+systemctl enable --now cpuservice.service
+systemctl restart cpuservice.service
