@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        bench-placement bench-service run
+        bench-placement bench-service bench-hotplug run
 
 setup:
 	bash scripts/install-deps.sh all
@@ -41,3 +41,6 @@ run:
 
 bench-service:
 	PYTHONPATH=$(CURDIR) $(PY) bench/service.py
+
+bench-hotplug:
+	PYTHONPATH=$(CURDIR) $(PY) bench/hotplug.py

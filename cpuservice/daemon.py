@@ -16,6 +16,7 @@ from dbus_fast.aio import MessageBus
 from . import __version__, config
 from .bus_api import BUS_NAME, Manager, capture_sender
 from .checkpoint import Store
+from .hotplug import CPUMonitor, Debouncer
 from .service import Service
 from .systemd import Systemd
 
@@ -33,6 +34,11 @@ async def serve(cfg: config.Config) -> int:
     bus.add_message_handler(capture_sender)
     await service.start()
     manager.export_all()
+    loop = asyncio.get_running_loop()
+    try:
+        CPUMonitor(Debouncer(lambda: service.revalidate(full=False))).attach(loop)
+    except OSError as exc:
+        log.error("no CPU hotplug events (%s): call Revalidate() after CPUs change", exc)
     reply = await bus.request_name(BUS_NAME)
     if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
         log.error("could not own %s: %s", BUS_NAME, reply)
@@ -40,7 +46,6 @@ async def serve(cfg: config.Config) -> int:
     log.info("cpuserviced %s serving %d allocation(s); shared CPUs %s", __version__,
              len(service.ledger.allocations), service.ledger.shared)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     disconnected = asyncio.ensure_future(bus.wait_for_disconnect())  # type: ignore[no-untyped-call]

@@ -9,6 +9,7 @@ The named machines are the ones the test-suite and the docs talk about:
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +72,9 @@ def _write(path: Path, text: str) -> None:
 
 
 def write_sysfs(root: str | Path, machine: Machine | str) -> Path:
-    """Write a sysfs tree for ``machine`` (or a name from MACHINES) under ``root``."""
+    """Write a sysfs tree for ``machine`` (or a name from MACHINES) under ``root``; writing again
+    over an existing tree brings it in line (CPUs taken offline lose their topology files, as
+    with the kernel)."""
     spec = MACHINES[machine] if isinstance(machine, str) else machine
     root = Path(root)
     base = root / "devices/system/cpu"
@@ -94,6 +97,8 @@ def write_sysfs(root: str | Path, machine: Machine | str) -> Path:
         if cpu != rows[0][0]:
             _write(d / "online", "1" if cpu in online else "0")
         if cpu not in online:
+            for gone in ("topology", "cache"):
+                shutil.rmtree(d / gone, ignore_errors=True)
             continue
         siblings = CPUSet(r[0] for r in rows if r[1:3] == mine[1:3] and r[0] in online).format()
         _write(d / "topology/physical_package_id", str(mine[1]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import replace
 from decimal import Decimal
@@ -31,7 +32,7 @@ from .pools import Allocation, Fragment, Ledger, check_invariants
 from .repair import repair
 from .request import Request, parse_amount, parse_options, validate_name
 from .systemd import Systemd
-from .topology import Topology, discover
+from .topology import Topology, discover, refresh
 
 log = logging.getLogger(__name__)
 OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice")
@@ -192,15 +193,32 @@ class Service:
                 await self._commit(State(self.ledger, records), {name})
             return scope
 
-    async def revalidate(self, reason: str = "revalidate") -> None:
-        """Re-read the topology and repair; the same path runs at startup."""
+    async def revalidate(self, full: bool = True) -> None:
+        """Re-read the topology and repair (the same repair runs at startup). ``full`` also
+        re-checks every unit against systemd; CPU hotplug applies just the differences."""
+        began = time.monotonic()
         async with self.lock:
-            topology = discover(self.config.sysfs_root, previous=self.topology)
+            old_topology = self.topology
+            if full:
+                topology = discover(self.config.sysfs_root, previous=old_topology)
+            else:
+                topology = refresh(self.config.sysfs_root, old_topology)
             ledger, changes = repair(topology, self.ledger)
-            self.topology = topology
             reasons = {c.name: c.reason for c in changes}
-            await self._commit(State(ledger, self.state.records), None, reasons, sync=True)
-            log.info("%s: %s", reason, reasons or "nothing to repair")
+            if topology == old_topology and not reasons and not full:
+                return
+            self.topology = topology
+            try:
+                # Not a caller's request: systemd first, then the checkpoint, which a restart
+                # would repair the same way from the old one.
+                await self._commit(State(ledger, self.state.records), None, reasons, sync=full,
+                                   checkpoint_first=full)
+            except BaseException:
+                self.topology = old_topology
+                raise
+            log.info("%s: online %s; %s (%.0f ms)", "revalidate" if full else "CPU hotplug",
+                     topology.online, reasons or "nothing to repair",
+                     (time.monotonic() - began) * 1000)
 
     # ---- commit / apply ------------------------------------------------------------------
 
@@ -210,18 +228,22 @@ class Service:
         touched: set[str] | None,
         reasons: Mapping[str, str] | None = None,
         sync: bool = False,
+        checkpoint_first: bool = True,
     ) -> None:
         """Checkpoint, apply to systemd, publish; on failure roll back both and raise.
         ``touched``: the allocations the change is about (None: look at all of them)."""
         check_invariants(new.ledger)
         old = self.state
         changed = self._changed(old, new, touched)
-        self.store.save(new, changed)
+        if checkpoint_first:
+            self.store.save(new, changed)
         try:
             if sync:
                 await self._sync(new)
             else:
                 await self._apply(old, new, changed)
+            if not checkpoint_first:
+                self.store.save(new, changed)
         except Exception as exc:
             log.error("applying a change failed, rolling back: %s", exc)
             try:

@@ -148,6 +148,27 @@ def _l3_list(cpu_dir: Path) -> CPUSet | None:
     return None
 
 
+def refresh(sysfs_root: str | Path, previous: Topology) -> Topology:
+    """The topology after a hotplug event, reading little: when the same CPUs exist and every CPU
+    that came online reports the same package and core siblings as before, the previous topology
+    with the new online and isolated sets; otherwise a full discover()."""
+    base = Path(sysfs_root) / "devices/system/cpu"
+    ids = {int(m.group(1)) for p in base.glob("cpu*") if (m := _CPU_DIR.match(p.name))}
+    online_text = _read(base / "online")
+    if ids != previous.cpus.keys() or online_text is None:
+        return discover(sysfs_root, previous)
+    online = CPUSet.parse(online_text)
+    for cpu in online - previous.online:
+        info = previous.cpus[cpu]
+        topo = base / f"cpu{cpu}/topology"
+        siblings = CPUSet.parse(_read(topo / "thread_siblings_list") or "")
+        core = CPUSet(c for c, i in previous.cpus.items() if i.core == info.core)
+        if _read_int(topo / "physical_package_id") != info.socket or not siblings <= core:
+            return discover(sysfs_root, previous)
+    isolated = CPUSet.parse(_read(base / "isolated") or "")
+    return Topology(previous.with_online(online).cpus, isolated)
+
+
 def discover(sysfs_root: str | Path = "/sys", previous: Topology | None = None) -> Topology:
     """Read the topology under ``sysfs_root``.
 

@@ -12,7 +12,7 @@ declare -A PKGS=(
 want=()
 for tier in "${@:-all}"; do
   if [ "$tier" = all ]; then want+=(${PKGS[base]} ${PKGS[unit]} ${PKGS[integration]} ${PKGS[lab]})
-  else want+=(${PKGS[base]} ${PKGS[$tier]}); fi
+  else want+=(${PKGS[$tier]}); fi
 done
 missing=()
 for p in "${want[@]}"; do

@@ -30,7 +30,7 @@ from pathlib import Path
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("CPUSERVICE_LAB_CACHE", "/var/cache/cpuservice-lab"))
-PAYLOAD_DIRS = ("cpuservice", "dbus", "systemd")
+PAYLOAD_DIRS = ("cpuservice", "dbus", "systemd", "scripts", "tests/lab/scenarios")
 PACKAGES = (
     "systemd", "systemd-sysv", "libpam-systemd", "dbus", "udev", "polkitd", "python3",
     "python3-dbus-fast", "python3-pydantic", "python3-pyudev", "procps", "util-linux",

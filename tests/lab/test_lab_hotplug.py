@@ -1,0 +1,53 @@
+"""cpuserviced in the VM lab: real CPU hotplug with a real process in a bound allocation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.envs import lab
+
+INSTALL = "bash /payload/scripts/install.sh >/dev/null\n"
+RUN = "python3 /payload/tests/lab/scenarios/hotplug.py"
+
+
+def results(outcome: lab.Run, name: str) -> dict[str, dict]:
+    out = outcome.results[name]
+    assert out.status == 0, out.output
+    rows = [json.loads(line[7:]) for line in out.output.splitlines()
+            if line.startswith("RESULT ")]
+    return {row["check"]: row for row in rows}
+
+
+@pytest.fixture(scope="module")
+def boot(lab_ready: None) -> lab.Run:
+    return lab.run({
+        "install": INSTALL + "systemctl is-active cpuservice",
+        "repair": f"{RUN} repair",
+        "storm": f"{RUN} storm",
+    })
+
+
+def test_service_runs_in_the_vm(boot: lab.Run) -> None:
+    assert boot.results["install"].output.strip().endswith("active")
+
+
+def test_offline_cpu_of_a_bound_allocation_is_replaced(boot: lab.Run) -> None:
+    r = results(boot, "repair")
+    start, offline, online = r["start"], r["offline"], r["online"]
+    assert start["process"] == start["held"] and len(start["held"]) == 2
+    victim = offline["victim"]
+    assert victim not in offline["held"] and len(offline["held"]) == 2
+    assert offline["unit"] == offline["held"]
+    assert offline["process"] == offline["held"]  # the kernel enforces the repaired set
+    assert victim not in offline["shared"] and not set(offline["shared"]) & set(offline["held"])
+    assert online["online"] == "0-7" and victim in online["shared"]
+    assert online["held"] == offline["held"]
+
+
+def test_storm_of_toggles_while_clients_allocate(boot: lab.Run) -> None:
+    s = results(boot, "storm")["storm"]
+    assert s["online"] == "0-7" and s["active"] == "active" and s["restarts"] == "0"
+    assert s["degraded"] == [] and s["units_agree"] and not s["double_booked"]
+    assert s["errors"] == []
