@@ -12,12 +12,13 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from dbus_fast import DBusError, Message, MessageType, PropertyAccess, Variant
+from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from . import __version__
-from .errors import CPUServiceError, NoSuchAllocation
+from .authz import ALLOCATE, MANAGE, Authority, PidHandles, process_uid
+from .errors import CPUServiceError, InvalidArgument, NoSuchAllocation
 from .pools import Ledger
 from .service import Service
 from .units import NO_QUOTA
@@ -28,14 +29,17 @@ PATH = "/org/cpuservice1"
 ALLOCATION_PREFIX = "/org/cpuservice1/allocation/"
 FAILED = "org.cpuservice1.Error.Failed"
 
-current_sender: contextvars.ContextVar[str] = contextvars.ContextVar("sender", default="")
+# (sender, ALLOW_INTERACTIVE_AUTHORIZATION) of the method call being handled
+current_call: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "call", default=("", False))
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def capture_sender(msg: Message) -> bool:
     """Message handler that remembers who is calling (exported methods are not told)."""
     if msg.message_type == MessageType.METHOD_CALL:
-        current_sender.set(msg.sender or "")
+        interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
+        current_call.set((msg.sender or "", interactive))
     return False
 
 
@@ -74,9 +78,10 @@ def _options(options: dict[str, Variant]) -> dict[str, Any]:
 
 
 class Allocation(ServiceInterface):
-    def __init__(self, service: Service, name: str) -> None:
+    def __init__(self, manager: "Manager", name: str) -> None:
         super().__init__("org.cpuservice1.Allocation")
-        self.service = service
+        self.manager = manager
+        self.service = manager.service
         self.allocation = name
         self._cache: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
@@ -152,16 +157,18 @@ class Allocation(ServiceInterface):
     @method()
     @boundary
     async def Release(self) -> None:
+        await self.manager.authorize_for(self.allocation)
         await self.service.release(self.allocation)
 
 
 class Manager(ServiceInterface):
     """org.cpuservice1.Manager; also the service's Events sink."""
 
-    def __init__(self, service: Service, bus: MessageBus) -> None:
+    def __init__(self, service: Service, bus: MessageBus, authority: Authority) -> None:
         super().__init__("org.cpuservice1.Manager")
         self.service = service
         self.bus = bus
+        self.authority = authority
         self.objects: dict[str, Allocation] = {}
         self._last: dict[str, dict[str, Any]] = {}
         self._uids: OrderedDict[str, int] = OrderedDict()
@@ -173,15 +180,30 @@ class Manager(ServiceInterface):
             self._export(name)
 
     def _export(self, name: str) -> Allocation:
-        obj = Allocation(self.service, name)
+        obj = Allocation(self, name)
         self.objects[name] = obj
         self.bus.export(path_of(name), obj)
         self._last[name] = obj.values()
         return obj
 
+    async def authorize(self, action: str) -> int:
+        """The caller's uid, once polkit allows ``action`` (uid 0 needs no asking)."""
+        uid = await self._caller_uid()
+        sender, interactive = current_call.get()
+        await self.authority.check(sender, uid, action, interactive)
+        return uid
+
+    async def authorize_for(self, name: str) -> int:
+        """Work on an existing allocation: allocate for one's own, manage for anyone's."""
+        if name not in self.service.ledger.allocations:
+            raise NoSuchAllocation(f"no allocation named {name!r}")
+        owner = self.service.record(name).owner
+        uid = await self._caller_uid()
+        return await self.authorize(ALLOCATE if owner == uid else MANAGE)
+
     async def _caller_uid(self) -> int:
         """The caller's uid from the bus (unique names are never reused: cache them)."""
-        sender = current_sender.get()
+        sender = current_call.get()[0]
         if not sender:
             return 0
         if sender in self._uids:
@@ -232,18 +254,21 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Allocate(self, name: "s", cpus: "s", options: "a{sv}") -> "o":
-        owner = await self._caller_uid()
+        admin = "cpuset" in options or "unit" in options
+        owner = await self.authorize(MANAGE if admin else ALLOCATE)
         await self.service.allocate(name, cpus, _options(options), owner)
         return path_of(name)
 
     @method()
     @boundary
     async def Release(self, name: "s") -> None:
+        await self.authorize_for(name)
         await self.service.release(name)
 
     @method()
     @boundary
     async def Resize(self, name: "s", cpus: "s") -> None:
+        await self.authorize_for(name)
         await self.service.resize(name, cpus)
 
     @method()
@@ -286,11 +311,31 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Attach(self, name: "s", pids: "au") -> "s":
-        return await self.service.attach(name, pids)
+        uid = await self.authorize_for(name)
+        try:
+            handles = PidHandles(list(pids))
+        except LookupError as exc:
+            raise InvalidArgument(str(exc)) from None
+        try:
+            if uid != 0:
+                try:
+                    foreign = [p for p in pids if process_uid(p) != uid]
+                except LookupError as exc:
+                    raise InvalidArgument(str(exc)) from None
+                if foreign:
+                    await self.authorize(MANAGE)
+            unit = await self.service.attach(name, pids)
+            if not handles.all_alive():
+                log.warning("a process attached to %s exited during the move; its PID may "
+                            "have been reused (systemd 252 takes PIDs, not pidfds)", name)
+            return unit
+        finally:
+            handles.close()
 
     @method()
     @boundary
     async def Revalidate(self) -> None:
+        await self.authorize(MANAGE)
         await self.service.revalidate()
 
     # ---- properties ----

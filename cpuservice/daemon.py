@@ -14,6 +14,7 @@ from dbus_fast import BusType, RequestNameReply
 from dbus_fast.aio import MessageBus
 
 from . import __version__, config
+from .authz import Authority
 from .bus_api import BUS_NAME, Manager, capture_sender
 from .checkpoint import Store
 from .hotplug import CPUMonitor, Debouncer
@@ -30,7 +31,7 @@ async def serve(cfg: config.Config) -> int:
     systemd = Systemd(bus)
     await systemd.setup()
     service = Service(cfg, systemd, Store(cfg.state_file))
-    manager = Manager(service, bus)
+    manager = Manager(service, bus, Authority(bus))
     bus.add_message_handler(capture_sender)
     await service.start()
     manager.export_all()

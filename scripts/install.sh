@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install cpuservice from this checkout on a host where systemd is PID 1 (run as root):
 # Debian's packages for the dependencies, the Python package under /usr/local/lib/cpuservice,
-# the units, the bus policy and activation file, a commented config; then start the service.
+# the units, the bus policy and activation file, the polkit actions, a commented config; then
+# start the service.
 set -euo pipefail
 src=$(cd "$(dirname "$0")/.." && pwd)
 bash "$src/scripts/install-deps.sh" runtime
@@ -15,6 +16,8 @@ printf '[Service]\nEnvironment=PYTHONPATH=%s\n' "$lib" \
 install -m644 "$src/dbus/org.cpuservice1.conf" /etc/dbus-1/system.d/
 install -d /usr/local/share/dbus-1/system-services
 install -m644 "$src/dbus/org.cpuservice1.service" /usr/local/share/dbus-1/system-services/
+install -d /usr/share/polkit-1/actions
+install -m644 "$src/dbus/org.cpuservice1.policy" /usr/share/polkit-1/actions/
 install -d /etc/cpuservice
 [ -e /etc/cpuservice/cpuservice.toml ] || install -m644 "$src/systemd/cpuservice.toml" /etc/cpuservice/
 busctl call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig

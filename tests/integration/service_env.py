@@ -15,9 +15,9 @@ FIXTURES = "/srv/cpuservice-fixtures"
 CONFIG = "/etc/cpuservice/cpuservice.toml"
 STATE = "/var/lib/cpuservice/state.json"
 DEST = ("org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager")
+LIB = "/usr/local/lib/cpuservice"
 DROPIN = f"""[Service]
-Environment=PYTHONPATH={CHECKOUT}
-ProtectHome=no
+Environment=PYTHONPATH={LIB}
 """
 
 
@@ -28,11 +28,16 @@ class BusctlError(RuntimeError):
 
 
 class ServiceHost:
-    """The daemon inside one container; each configure() starts it afresh."""
+    """The daemon inside one container, installed as scripts/install.sh does (the package under
+    /usr/local/lib/cpuservice, the shipped hardened unit); each configure() starts it afresh."""
 
     def __init__(self, container: ContainerHost) -> None:
         self.c = container
         root = container.root
+        lib = root / LIB.lstrip("/")
+        shutil.rmtree(lib, ignore_errors=True)
+        shutil.copytree(CHECKOUT / "cpuservice", lib / "cpuservice",
+                        ignore=shutil.ignore_patterns("__pycache__"))
         for unit in ("cpuservice.service", "cpuservice.slice", "cpuservice-shared.slice",
                      "cpuservice-bound.slice"):
             shutil.copy(CHECKOUT / "systemd" / unit, root / "etc/systemd/system" / unit)
@@ -41,6 +46,8 @@ class ServiceHost:
         (dropin / "test.conf").write_text(DROPIN)
         shutil.copy(CHECKOUT / "dbus/org.cpuservice1.conf",
                     root / "etc/dbus-1/system.d/org.cpuservice1.conf")
+        shutil.copy(CHECKOUT / "dbus/org.cpuservice1.policy",
+                    root / "usr/share/polkit-1/actions/org.cpuservice1.policy")
         container.run(["systemctl", "daemon-reload"])
         container.run(["busctl", "call", "org.freedesktop.DBus", "/org/freedesktop/DBus",
                        "org.freedesktop.DBus", "ReloadConfig"])
@@ -89,8 +96,11 @@ class ServiceHost:
                 return
             time.sleep(0.05)
 
-    def busctl(self, *args: str, check: bool = True) -> Any:
-        result = self.c.run(["busctl", "--json=short", *args], check=False)
+    def busctl(self, *args: str, check: bool = True, user: str | None = None) -> Any:
+        """busctl in the container, as root or (``user``) as another user."""
+        as_user = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] \
+            if user else []
+        result = self.c.run([*as_user, "busctl", "--json=short", *args], check=False)
         if result.returncode != 0:
             if check:
                 raise BusctlError(result.stderr.strip())

@@ -1,0 +1,102 @@
+"""Authorization: polkit's CheckAuthorization for the calling bus name, and who owns a process.
+
+Actions (dbus/org.cpuservice1.policy): ``org.cpuservice1.allocate`` for work on one's own
+allocations, ``org.cpuservice1.manage`` for anyone's, for the ``cpuset`` and ``unit`` options and
+for Revalidate. Reads need nothing; uid 0 needs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+from pathlib import Path
+
+from dbus_fast import Message, MessageType, Variant
+from dbus_fast.aio import MessageBus
+
+from .errors import CPUServiceError
+
+ALLOCATE = "org.cpuservice1.allocate"
+MANAGE = "org.cpuservice1.manage"
+INTERACTIVE_TIMEOUT = 120.0  # a person typing a password
+QUICK_TIMEOUT = 10.0
+
+
+class AccessDenied(CPUServiceError):
+    dbus_name = "org.freedesktop.DBus.Error.AccessDenied"
+
+
+class InteractiveAuthorizationRequired(CPUServiceError):
+    dbus_name = "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"
+
+
+class Authority:
+    """Asks polkitd over the service's own bus connection."""
+
+    def __init__(self, bus: MessageBus) -> None:
+        self.bus = bus
+
+    async def check(self, sender: str, uid: int, action: str, interactive: bool) -> None:
+        """Return when ``sender`` may perform ``action``; raise AccessDenied (or
+        InteractiveAuthorizationRequired when authenticating would have helped) otherwise."""
+        if uid == 0:
+            return
+        subject = ["system-bus-name", {"name": Variant("s", sender)}]
+        message = Message(
+            destination="org.freedesktop.PolicyKit1",
+            path="/org/freedesktop/PolicyKit1/Authority",
+            interface="org.freedesktop.PolicyKit1.Authority", member="CheckAuthorization",
+            signature="(sa{sv})sa{ss}us", body=[subject, action, {}, 1 if interactive else 0, ""])
+        try:
+            reply = await asyncio.wait_for(
+                self.bus.call(message), INTERACTIVE_TIMEOUT if interactive else QUICK_TIMEOUT)
+        except TimeoutError:
+            raise AccessDenied(f"no answer from polkit about {action} in time") from None
+        if reply is None or reply.message_type != MessageType.METHOD_RETURN:
+            detail = reply.body[0] if reply is not None and reply.body else "no reply"
+            raise AccessDenied(f"polkit could not decide on {action}: {detail}")
+        authorized, challenge, _ = reply.body[0]
+        if authorized:
+            return
+        if challenge and not interactive:
+            raise InteractiveAuthorizationRequired(
+                f"{action} needs authentication; call again allowing interactive authorization"
+            )
+        raise AccessDenied(f"not authorized for {action}")
+
+
+def process_uid(pid: int) -> int:
+    """The real uid of a live process; LookupError when there is none."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    raise LookupError(f"no process {pid}")
+
+
+class PidHandles:
+    """pidfds of processes checked before a move: if one dies before the move is done its PID
+    may have been reused, and the move is reported as unsafe."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.fds: dict[int, int] = {}
+        try:
+            for pid in pids:
+                self.fds[pid] = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.close()
+            raise LookupError(f"no process {pid}") from None
+
+    def all_alive(self) -> bool:
+        poller = select.poll()
+        for fd in self.fds.values():
+            poller.register(fd, select.POLLIN)
+        return not poller.poll(0)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()

@@ -1,0 +1,96 @@
+"""Access control with the real polkitd in the container host: an unprivileged caller (nobody)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.service_env import DEST, BusctlError, ServiceHost
+from tests.integration.test_service import allocations
+
+NOBODY = "65534"
+RULE = "/etc/polkit-1/rules.d/50-cpuservice-test.rules"
+GRANT = """polkit.addRule(function(action, subject) {
+    if (action.id == "org.cpuservice1.allocate" && subject.user == "nobody") {
+        return polkit.Result.YES;
+    }
+});
+"""
+
+
+def as_nobody(daemon: ServiceHost, *args: str) -> object:
+    return daemon.busctl("call", *DEST, *args, check=False, user=NOBODY)
+
+
+def denied(out: object) -> bool:
+    return isinstance(out, BusctlError) and (
+        "Access denied" in out.text or "Interactive authentication required" in out.text
+        or "not authorized" in out.text or "needs authentication" in out.text)
+
+
+@pytest.fixture
+def granted(daemon: ServiceHost) -> Iterator[ServiceHost]:
+    rule = daemon.c.root / RULE.lstrip("/")
+    rule.parent.mkdir(parents=True, exist_ok=True)
+    rule.write_text(GRANT)
+    daemon.c.run(["systemctl", "restart", "polkit.service"])
+    try:
+        yield daemon
+    finally:
+        rule.unlink()
+        daemon.c.run(["systemctl", "restart", "polkit.service"])
+
+
+def test_reads_need_no_authorization(daemon: ServiceHost) -> None:
+    daemon.allocate("root1", "1", bind=True)
+    out = daemon.busctl("get-property", *DEST, "SharedCPUs", user=NOBODY)
+    assert out["data"] == daemon.prop("SharedCPUs")
+    assert as_nobody(daemon, "ListAllocations")["data"][0][0][0] == "root1"
+    assert as_nobody(daemon, "GetAllocation", "s", "root1")["data"] == [
+        "/org/cpuservice1/allocation/root1"]
+    assert as_nobody(daemon, "Capacity", "sa{sv}", "1", "1", "bind", "b", "true")["data"] == [6]
+    intro = daemon.c.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                          "busctl", "introspect", *DEST[:2]], check=False)
+    assert intro.returncode == 0 and "Allocate" in intro.stdout
+
+
+def test_changes_are_denied_by_default(daemon: ServiceHost) -> None:
+    daemon.allocate("root1", "1", bind=True)
+    for args in (("Allocate", "ssa{sv}", "mine", "1", "0"),
+                 ("Release", "s", "root1"), ("Resize", "ss", "root1", "2"),
+                 ("Revalidate",), ("Attach", "sau", "root1", "1", "1")):
+        assert denied(as_nobody(daemon, *args)), args
+    assert sorted(allocations(daemon)) == ["root1"]
+
+
+def test_a_polkit_rule_grants_allocate_on_own_allocations(granted: ServiceHost) -> None:
+    daemon = granted
+    daemon.allocate("root1", "1", bind=True)
+    assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", "mine", "1", "1", "bind", "b",
+                                    "true"), BusctlError)
+    owner = daemon.busctl("get-property", DEST[0], "/org/cpuservice1/allocation/mine",
+                          "org.cpuservice1.Allocation", "Owner")["data"]
+    assert owner == int(NOBODY)
+    assert not isinstance(as_nobody(daemon, "Resize", "ss", "mine", "2"), BusctlError)
+    # not someone else's, not the admin options
+    assert denied(as_nobody(daemon, "Release", "s", "root1"))
+    assert denied(as_nobody(daemon, "Resize", "ss", "root1", "2"))
+    assert denied(as_nobody(daemon, "Allocate", "ssa{sv}", "pin", "1", "2", "bind", "b", "true",
+                            "cpuset", "s", "7"))
+    assert denied(as_nobody(daemon, "Allocate", "ssa{sv}", "u", "1", "1", "unit", "s",
+                            "cron.service"))
+    assert denied(as_nobody(daemon, "Revalidate"))
+    # a process of root's may not be moved by nobody
+    daemon.c.run(["systemd-run", "--unit=rootproc", "sleep", "300"])
+    pid = daemon.show("rootproc.service", "MainPID")["MainPID"]
+    try:
+        assert denied(as_nobody(daemon, "Attach", "sau", "mine", "1", pid))
+    finally:
+        daemon.c.run(["systemctl", "stop", "rootproc.service"], check=False)
+    assert not isinstance(as_nobody(daemon, "Release", "s", "mine"), BusctlError)
+    assert sorted(allocations(daemon)) == ["root1"]
+    # root may release anyone's
+    as_nobody(daemon, "Allocate", "ssa{sv}", "mine2", "1", "0")
+    daemon.call("Release", "s", "mine2")
+    assert sorted(allocations(daemon)) == ["root1"]
