@@ -83,12 +83,14 @@ class PidHandles:
 
     def __init__(self, pids: list[int]) -> None:
         self.fds: dict[int, int] = {}
-        try:
-            for pid in pids:
+        for pid in pids:
+            try:
+                if pid <= 0:
+                    raise ProcessLookupError
                 self.fds[pid] = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self.close()
-            raise LookupError(f"no process {pid}") from None
+            except OSError:
+                self.close()
+                raise LookupError(f"no process {pid}") from None
 
     def all_alive(self) -> bool:
         poller = select.poll()

@@ -94,3 +94,14 @@ def test_a_polkit_rule_grants_allocate_on_own_allocations(granted: ServiceHost) 
     as_nobody(daemon, "Allocate", "ssa{sv}", "mine2", "1", "0")
     daemon.call("Release", "s", "mine2")
     assert sorted(allocations(daemon)) == ["root1"]
+
+
+def test_unit_hardening_exposure(daemon: ServiceHost) -> None:
+    out = daemon.c.run(["systemd-analyze", "security", "cpuservice.service", "--no-pager"],
+                       check=False).stdout
+    line = next(x for x in out.splitlines() if "Overall exposure level" in x)
+    exposure = float(line.split(":")[1].split()[0])
+    print(f"\nsystemd-analyze security cpuservice.service: {exposure}")
+    assert exposure <= 2.0
+    unit = daemon.show("cpuservice.service", "PrivateNetwork", "RestrictAddressFamilies")
+    assert unit["PrivateNetwork"] == "no" and "AF_NETLINK" in unit["RestrictAddressFamilies"]
