@@ -68,6 +68,7 @@ def daemon_host(containers: Containers) -> ServiceHost:
 @pytest.fixture
 def daemon(daemon_host: ServiceHost, containers: Containers) -> ServiceHost:
     """The daemon on fixture machine ``a`` with a clean state (tests reconfigure as needed)."""
-    daemon_host.c = containers.get()
+    if daemon_host.c is not containers.get():
+        daemon_host.install(containers.get())
     daemon_host.configure("a")
     return daemon_host

@@ -32,6 +32,10 @@ class ServiceHost:
     /usr/local/lib/cpuservice, the shipped hardened unit); each configure() starts it afresh."""
 
     def __init__(self, container: ContainerHost) -> None:
+        self.install(container)
+
+    def install(self, container: ContainerHost) -> None:
+        """Install the service into ``container`` (again, when the tests booted a new one)."""
         self.c = container
         root = container.root
         lib = root / LIB.lstrip("/")

@@ -332,7 +332,8 @@ def test_confine_host(daemon: ServiceHost) -> None:
 )
 def test_bad_input_gets_named_errors(daemon_host: ServiceHost, args: tuple[str, ...],
                                      error: str, containers) -> None:
-    daemon_host.c = containers.get()
+    if daemon_host.c is not containers.get():
+        daemon_host.install(containers.get())
     if daemon_host.c.run(["systemctl", "is-active", "cpuservice.service"],
                          check=False).stdout.strip() != "active":
         daemon_host.configure("a")
