@@ -33,7 +33,7 @@ from .cpuset import CPUSet
 READS = ("status", "list", "show", "plan", "capacity", "topology")
 
 
-def _option_args(p: argparse.ArgumentParser, bind_flag: bool = True) -> None:
+def add_option_args(p: argparse.ArgumentParser, bind_flag: bool = True) -> None:
     if bind_flag:
         p.add_argument("--bind", action="store_true", help="bound (exclusive) CPUs")
     p.add_argument("--policy", choices=("packed", "full-pcpus", "spread-pcpus"))
@@ -77,7 +77,7 @@ def parser() -> argparse.ArgumentParser:
     alloc = sub.add_parser("allocate", help="create an allocation")
     alloc.add_argument("name")
     alloc.add_argument("cpus")
-    _option_args(alloc)
+    add_option_args(alloc)
     alloc.add_argument("--unit", help="apply to this existing unit instead of a new slice")
     alloc.add_argument("--lifetime", choices=("persistent", "unit"))
     rel = sub.add_parser("release", help="release an allocation")
@@ -89,7 +89,7 @@ def parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(verb, help="dry run" if verb == "plan" else
                             "how many more of this shape fit")
         sp.add_argument("cpus")
-        _option_args(sp)
+        add_option_args(sp)
     sub.add_parser("topology", help="draw the machine and who uses which CPU")
     sub.add_parser("watch", help="follow the service's signals, one line per event")
     sub.add_parser("revalidate", help="re-read the topology now and repair")

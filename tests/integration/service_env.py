@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -15,10 +14,6 @@ FIXTURES = "/srv/cpuservice-fixtures"
 CONFIG = "/etc/cpuservice/cpuservice.toml"
 STATE = "/var/lib/cpuservice/state.json"
 DEST = ("org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager")
-LIB = "/usr/local/lib/cpuservice"
-DROPIN = f"""[Service]
-Environment=PYTHONPATH={LIB}
-"""
 
 
 class BusctlError(RuntimeError):
@@ -28,33 +23,17 @@ class BusctlError(RuntimeError):
 
 
 class ServiceHost:
-    """The daemon inside one container, installed as scripts/install.sh does (the package under
+    """The daemon inside one container, installed by scripts/install.sh (the package under
     /usr/local/lib/cpuservice, the shipped hardened unit); each configure() starts it afresh."""
 
     def __init__(self, container: ContainerHost) -> None:
         self.install(container)
 
     def install(self, container: ContainerHost) -> None:
-        """Install the service into ``container`` (again, when the tests booted a new one)."""
+        """Install the service into ``container`` with scripts/install.sh (again, when the tests
+        booted a new one)."""
         self.c = container
-        root = container.root
-        lib = root / LIB.lstrip("/")
-        shutil.rmtree(lib, ignore_errors=True)
-        shutil.copytree(CHECKOUT / "cpuservice", lib / "cpuservice",
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        for unit in ("cpuservice.service", "cpuservice.slice", "cpuservice-shared.slice",
-                     "cpuservice-bound.slice"):
-            shutil.copy(CHECKOUT / "systemd" / unit, root / "etc/systemd/system" / unit)
-        dropin = root / "etc/systemd/system/cpuservice.service.d"
-        dropin.mkdir(parents=True, exist_ok=True)
-        (dropin / "test.conf").write_text(DROPIN)
-        shutil.copy(CHECKOUT / "dbus/org.cpuservice1.conf",
-                    root / "etc/dbus-1/system.d/org.cpuservice1.conf")
-        shutil.copy(CHECKOUT / "dbus/org.cpuservice1.policy",
-                    root / "usr/share/polkit-1/actions/org.cpuservice1.policy")
-        container.run(["systemctl", "daemon-reload"])
-        container.run(["busctl", "call", "org.freedesktop.DBus", "/org/freedesktop/DBus",
-                       "org.freedesktop.DBus", "ReloadConfig"])
+        container.run(["bash", str(CHECKOUT / "scripts/install.sh")], timeout=300)
 
     def fixture(self, machine: str) -> str:
         path = f"{FIXTURES}/{machine}"

@@ -10,6 +10,24 @@ from tests.envs import lab
 
 INSTALL = "bash /payload/scripts/install.sh >/dev/null\n"
 RUN = "python3 /payload/tests/lab/scenarios/hotplug.py"
+CLI = r"""
+A="org.cpuservice1 /org/cpuservice1/allocation"
+cpuservice-run --cpus 2 --bind --name vmrun -- sh -c \
+    "grep Cpus_allowed_list /proc/self/status; busctl get-property $A/vmrun \
+     org.cpuservice1.Allocation CPUSet"
+echo "exit $?"
+sleep 1
+echo "after exit: $(busctl call org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager \
+    ListAllocations | grep -c vmrun)"
+cpuservice-run --cpus 1 --bind --name vmkill -- sh -c 'echo $$ > /run/vmkill.pid; exec sleep 300' &
+while [ ! -s /run/vmkill.pid ]; do sleep 0.1; done
+echo "running: $(busctl call org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager \
+    ListAllocations | grep -c vmkill)"
+kill -9 "$(cat /run/vmkill.pid)"
+sleep 2
+echo "after kill: $(busctl call org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager \
+    ListAllocations | grep -c vmkill)"
+"""
 
 
 def results(outcome: lab.Run, name: str) -> dict[str, dict]:
@@ -26,6 +44,7 @@ def boot(lab_ready: None) -> lab.Run:
         "install": INSTALL + "systemctl is-active cpuservice",
         "repair": f"{RUN} repair",
         "storm": f"{RUN} storm",
+        "cli": CLI,
     })
 
 
@@ -51,3 +70,17 @@ def test_storm_of_toggles_while_clients_allocate(boot: lab.Run) -> None:
     assert s["online"] == "0-7" and s["active"] == "active" and s["restarts"] == "0"
     assert s["degraded"] == [] and s["units_agree"] and not s["double_booked"]
     assert s["errors"] == []
+
+
+def test_cpuservice_run_runs_on_exactly_its_cpus(boot: lab.Run) -> None:
+    out = boot.results["cli"].output
+    allowed = next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                   if line.startswith("Cpus_allowed_list:"))
+    cpuset = next(line.split('"')[1] for line in out.splitlines() if line.startswith("s \""))
+    assert allowed == cpuset and len(allowed) > 0
+    assert "exit 0" in out and "after exit: 0" in out
+
+
+def test_cpuservice_run_released_after_kill9_of_the_wrapper(boot: lab.Run) -> None:
+    out = boot.results["cli"].output
+    assert "running: 1" in out and "after kill: 0" in out
