@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        bench-placement bench-service bench-hotplug run
+        bench-placement bench-service bench-hotplug run man
 
 setup:
 	bash scripts/install-deps.sh all
@@ -38,6 +38,11 @@ bench-placement:
 
 run:
 	bash scripts/run.sh
+
+# man pages from their scdoc sources in docs/man
+man:
+	mkdir -p build/man
+	for f in docs/man/*.scd; do scdoc < $$f > build/man/$$(basename $$f .scd) || exit 1; done
 
 bench-service:
 	PYTHONPATH=$(CURDIR) $(PY) bench/service.py

@@ -5,7 +5,7 @@ set -euo pipefail
 declare -A PKGS=(
   [base]="make python3 python3-venv python3-pip"
   [runtime]="python3 python3-dbus-fast python3-pydantic python3-pyudev dbus systemd polkitd"
-  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis"
+  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis scdoc"
   [integration]="systemd systemd-container dbus polkitd util-linux"
   [lab]="qemu-system-x86 debootstrap linux-image-amd64 e2fsprogs"
 )

@@ -23,6 +23,16 @@ install -d /usr/local/share/dbus-1/system-services
 install -m644 "$src/dbus/org.cpuservice1.service" /usr/local/share/dbus-1/system-services/
 install -d /usr/share/polkit-1/actions
 install -m644 "$src/dbus/org.cpuservice1.policy" /usr/share/polkit-1/actions/
+install -d /usr/share/bash-completion/completions
+install -m644 "$src/scripts/completion/cpuservicectl" /usr/share/bash-completion/completions/
+ln -sf cpuservicectl /usr/share/bash-completion/completions/cpuservice-run
+if command -v scdoc >/dev/null; then
+    install -d /usr/local/share/man/man1 /usr/local/share/man/man5 /usr/local/share/man/man8
+    for f in "$src"/docs/man/*.scd; do
+        page=$(basename "$f" .scd)
+        scdoc < "$f" > "/usr/local/share/man/man${page##*.}/$page"
+    done
+fi
 install -d /etc/cpuservice
 [ -e /etc/cpuservice/cpuservice.toml ] || install -m644 "$src/systemd/cpuservice.toml" /etc/cpuservice/
 busctl call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig
