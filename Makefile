@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        bench-placement bench-service bench-hotplug run man
+        bench-placement bench-service bench-hotplug run man deb
 
 setup:
 	bash scripts/install-deps.sh all
@@ -49,3 +49,6 @@ bench-service:
 
 bench-hotplug:
 	PYTHONPATH=$(CURDIR) $(PY) bench/hotplug.py
+
+deb:
+	bash scripts/build-deb.sh

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what a tier needs from Debian 12's packages (idempotent; run as root).
-#   scripts/install-deps.sh base|runtime|unit|integration|lab|all ...
+#   scripts/install-deps.sh base|runtime|unit|integration|lab|deb|all ...
 set -euo pipefail
 declare -A PKGS=(
   [base]="make python3 python3-venv python3-pip"
@@ -8,10 +8,12 @@ declare -A PKGS=(
   [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis scdoc"
   [integration]="systemd systemd-container dbus polkitd util-linux"
   [lab]="qemu-system-x86 debootstrap linux-image-amd64 e2fsprogs"
+  [deb]="debhelper dh-python python3-all python3-setuptools pybuild-plugin-pyproject scdoc lintian fakeroot"
 )
 want=()
 for tier in "${@:-all}"; do
-  if [ "$tier" = all ]; then want+=(${PKGS[base]} ${PKGS[unit]} ${PKGS[integration]} ${PKGS[lab]})
+  if [ "$tier" = all ]; then
+    want+=(${PKGS[base]} ${PKGS[unit]} ${PKGS[integration]} ${PKGS[lab]} ${PKGS[deb]})
   else want+=(${PKGS[$tier]}); fi
 done
 missing=()

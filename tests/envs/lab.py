@@ -178,13 +178,16 @@ def _customize(rootfs: Path) -> None:
     subprocess.run(["chroot", str(rootfs), "useradd", "-m", "alice"], check=True)
 
 
-def _payload(workdir: Path, scenarios: Mapping[str, str]) -> Path:
+def _payload(workdir: Path, scenarios: Mapping[str, str], files: Sequence[Path]) -> Path:
     tree = workdir / "payload"
+    (tree / "files").mkdir(parents=True)
+    for extra in files:
+        shutil.copy(extra, tree / "files" / extra.name)
     for name in PAYLOAD_DIRS:
         if (CHECKOUT / name).is_dir():
             shutil.copytree(CHECKOUT / name, tree / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (tree / "scenarios").mkdir(parents=True)
+    (tree / "scenarios").mkdir()
     for i, (name, script) in enumerate(scenarios.items()):
         if not re.fullmatch(r"[a-z0-9-]+", name):
             raise LabError(f"scenario name {name!r}: use a-z, 0-9 and -")
@@ -227,13 +230,19 @@ class Run:
     console: str
 
 
-def run(scenarios: Mapping[str, str], shape: Shape = Shape(), timeout: float = 1200) -> Run:
-    """Boot once, run the scenarios (name -> shell script) in order, return their results."""
+def run(
+    scenarios: Mapping[str, str],
+    shape: Shape = Shape(),
+    timeout: float = 1200,
+    files: Sequence[Path] = (),
+) -> Run:
+    """Boot once, run the scenarios (name -> shell script) in order, return their results.
+    ``files`` are copied to /payload/files in the VM."""
     base = base_image()
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cpuservice-lab-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
-        payload = _payload(workdir, scenarios)
+        payload = _payload(workdir, scenarios, files)
         env = {**os.environ, "TMPDIR": str(workdir)}
         qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir), env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
