@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,16 @@ FIXTURES = "/srv/cpuservice-fixtures"
 CONFIG = "/etc/cpuservice/cpuservice.toml"
 STATE = "/var/lib/cpuservice/state.json"
 DEST = ("org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager")
+
+
+def eventually(check: Callable[[], bool], seconds: float = 10.0) -> None:
+    """Wait until ``check()`` holds (the daemon acts on signals asynchronously)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.05)
+    assert check()
 
 
 class BusctlError(RuntimeError):

@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.integration.service_env import ServiceHost
+from tests.integration.service_env import ServiceHost, eventually
 from tests.integration.test_service import allocations
 from tests.unit.test_topoview import SCENES
 
@@ -106,10 +106,7 @@ def test_cpuservice_run(daemon: ServiceHost) -> None:
                         "sh", "-c", "cat /proc/self/cgroup; exit 7"], check=False)
     assert run.returncode == 7, run.stderr
     assert "/cpuservice.slice/cpuservice-bound.slice/cpuservice-bound-job.slice/" in run.stdout
-    deadline = time.monotonic() + 10
-    while "job" in allocations(daemon) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "job" not in allocations(daemon)
+    eventually(lambda: "job" not in allocations(daemon))
     assert daemon.prop("SharedCPUs") == "0-7"
 
 
@@ -120,13 +117,8 @@ def test_cpuservice_run_released_after_kill9(daemon: ServiceHost) -> None:
         ["nsenter", "-t", str(daemon.c.pid1), "-a", "cpuservice-run", "--cpus", "1", "--bind",
          "--name", "k9", "--", "sh", "-c", "echo $$ > /run/k9.pid; exec sleep 300"],
         stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 10
-    while not pidfile.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    eventually(pidfile.exists)
     assert "k9" in allocations(daemon)
     daemon.c.run(["kill", "-9", pidfile.read_text().strip()])
     wrapper.wait(10)
-    deadline = time.monotonic() + 10
-    while "k9" in allocations(daemon) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert "k9" not in allocations(daemon)
+    eventually(lambda: "k9" not in allocations(daemon))

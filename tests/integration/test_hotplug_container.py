@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from pathlib import Path
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import MACHINES, write_sysfs
 from tests.integration import client
-from tests.integration.service_env import ServiceHost
+from tests.integration.service_env import ServiceHost, eventually
 from tests.integration.test_service import allocations, bound_slice
 
 UEVENT = Path("/sys/devices/system/cpu/cpu0/uevent")
@@ -27,14 +26,6 @@ def _set_offline(daemon: ServiceHost, offline: set[int], kick: int = 1) -> None:
     for _ in range(kick):
         UEVENT.write_text("offline" if offline else "online")
 
-
-def _wait(check, seconds: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.05)
-    assert check()
 
 
 def test_offline_cpu_is_replaced_and_announced(daemon: ServiceHost) -> None:
@@ -67,7 +58,7 @@ def test_offline_cpu_is_replaced_and_announced(daemon: ServiceHost) -> None:
         assert len([m for m, _, _ in seen if m == "PoolsChanged"]) == 1  # one per settled burst
     finally:
         _set_offline(daemon, set())
-    _wait(lambda: lost in CPUSet.parse(daemon.prop("SharedCPUs")))
+    eventually(lambda: lost in CPUSet.parse(daemon.prop("SharedCPUs")))
     assert CPUSet.parse(allocations(daemon)["h"][3]) == now  # no churn when it comes back
 
 
@@ -77,14 +68,14 @@ def test_degraded_then_healed_first(daemon: ServiceHost) -> None:
     held = CPUSet.parse(allocations(daemon)["big"][3])
     try:
         _set_offline(daemon, {held.first()})
-        _wait(lambda: daemon.busctl("get-property", "org.cpuservice1",
+        eventually(lambda: daemon.busctl("get-property", "org.cpuservice1",
                                     "/org/cpuservice1/allocation/big",
                                     "org.cpuservice1.Allocation", "State")["data"] == "degraded")
         assert len(CPUSet.parse(allocations(daemon)["big"][3])) == 14
         assert daemon.prop("SharedCPUs") != ""
     finally:
         _set_offline(daemon, set())
-    _wait(lambda: daemon.busctl("get-property", "org.cpuservice1",
+    eventually(lambda: daemon.busctl("get-property", "org.cpuservice1",
                                 "/org/cpuservice1/allocation/big",
                                 "org.cpuservice1.Allocation", "State")["data"] == "active")
     assert len(CPUSet.parse(allocations(daemon)["big"][3])) == 15

@@ -10,7 +10,7 @@ import pytest
 
 from cpuservice.cpuset import CPUSet
 from tests.integration import client
-from tests.integration.service_env import DEST, ServiceHost
+from tests.integration.service_env import DEST, ServiceHost, eventually
 
 NO_QUOTA = 2**64 - 1
 
@@ -260,11 +260,11 @@ def test_lifetime_unit_released_when_its_processes_end(daemon: ServiceHost) -> N
     daemon.call("Attach", "sau", "job", "1", pid)
     assert "job" in allocations(daemon)
     daemon.c.run(["kill", pid])
-    _eventually(lambda: "job" not in allocations(daemon))
+    eventually(lambda: "job" not in allocations(daemon))
 
     daemon.allocate("run", "1", bind=True, lifetime="unit")
     daemon.c.run(["systemd-run", "--scope", f"--slice={bound_slice('run')}", "sleep", "1"])
-    _eventually(lambda: "run" not in allocations(daemon))
+    eventually(lambda: "run" not in allocations(daemon))
     assert daemon.prop("SharedCPUs") == "0-7"
 
 
@@ -289,7 +289,7 @@ def test_lifetime_unit_with_unit_option(daemon: ServiceHost) -> None:
     daemon.c.run(["systemd-run", "--unit=short-lived", "sleep", "300"])
     daemon.allocate("sl", "1", bind=True, unit="short-lived.service", lifetime="unit")
     daemon.c.run(["systemctl", "stop", "short-lived.service"])
-    _eventually(lambda: "sl" not in allocations(daemon))
+    eventually(lambda: "sl" not in allocations(daemon))
 
 
 def test_confine_host(daemon: ServiceHost) -> None:
@@ -403,16 +403,6 @@ def _body(sig: str, args: list[str]) -> list[object]:
             i += 1
     return out
 
-
-def _eventually(check, seconds: float = 10) -> None:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.1)
-    assert check()
 
 
 def _members(xml: str) -> dict[str, set[tuple[str, str, str]]]:
