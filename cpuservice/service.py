@@ -127,9 +127,7 @@ class Service:
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
             record = Record(owner, unit, saved)
             await self._commit(State(ledger, {**self.state.records, name: record}), {name})
-            if request.options.lifetime == "unit" and unit != units.slice_name(name, True) and (
-                unit != units.slice_name(name, False)
-            ):
+            if request.options.lifetime == "unit" and not _own_slice(record):
                 await self._watch(name, unit)
             return allocation
 
@@ -422,8 +420,7 @@ class Service:
             self.state = new
             for name, record in new.records.items():
                 if ledger.allocations[name].request.options.lifetime == "unit" and (
-                    record.unit not in (units.slice_name(name, True),
-                                        units.slice_name(name, False))
+                    not _own_slice(record)
                 ):
                     await self._watch(name, record.unit)
         self._schedule_lifetime_check()
@@ -453,15 +450,14 @@ class Service:
             if a.request.options.lifetime != "unit":
                 continue
             record = records.get(name, Record())
-            if await self._ended(name, record):
+            if await self._ended(record):
                 log.info("allocation %s ended with its unit %s", name, record.unit)
                 ledger = ledger.without(name)
                 records.pop(name, None)
         return State(ledger, records)
 
-    async def _ended(self, name: str, record: Record) -> bool:
-        own = record.unit in (units.slice_name(name, True), units.slice_name(name, False))
-        if own:
+    async def _ended(self, record: Record) -> bool:
+        if _own_slice(record):
             if (await self.systemd.unit_path(record.unit)) is None:
                 return True
             return record.populated and not await self.systemd.processes(record.unit)
@@ -503,7 +499,7 @@ class Service:
                 if a.request.options.lifetime != "unit" or name not in self.ledger.allocations:
                     continue
                 record = self.record(name)
-                if await self._ended(name, record):
+                if await self._ended(record):
                     await self.release(name, "its unit ended")
                 elif not record.populated and record.unit.startswith("cpuservice-") and (
                     await self.systemd.processes(record.unit)

@@ -15,7 +15,7 @@ fi
 if [ -n "${1:-}" ]; then
     entry=$(printf 'cpuservice (%s) unstable; urgency=medium\n\n  * Rebuild as %s.\n\n -- %s  %s\n\n' \
         "$1" "$1" "cpuservice developers <cpuservice-devel@lists.example.org>" "$(date -R)")
-    printf '%s' "$entry" | cat - debian/changelog > "$out/src/debian/changelog"
+    printf '%s\n\n' "$entry" | cat - debian/changelog > "$out/src/debian/changelog"
 fi
 (cd "$out/src" && PATH=/usr/sbin:/usr/bin:/sbin:/bin dpkg-buildpackage -us -uc -b >"$out/build.log" 2>&1) || {
     tail -40 "$out/build.log"; exit 1; }
