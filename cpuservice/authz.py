@@ -12,9 +12,10 @@ import os
 import select
 from pathlib import Path
 
-from dbus_fast import Message, MessageType, Variant
+from dbus_fast import Variant
 from dbus_fast.aio import MessageBus
 
+from . import dbuscall
 from .errors import CPUServiceError
 
 ALLOCATE = "org.cpuservice1.allocate"
@@ -43,20 +44,18 @@ class Authority:
         if uid == 0:
             return
         subject = ["system-bus-name", {"name": Variant("s", sender)}]
-        message = Message(
-            destination="org.freedesktop.PolicyKit1",
-            path="/org/freedesktop/PolicyKit1/Authority",
-            interface="org.freedesktop.PolicyKit1.Authority", member="CheckAuthorization",
-            signature="(sa{sv})sa{ss}us", body=[subject, action, {}, 1 if interactive else 0, ""])
+        asking = dbuscall.call(
+            self.bus, "org.freedesktop.PolicyKit1", "/org/freedesktop/PolicyKit1/Authority",
+            "org.freedesktop.PolicyKit1.Authority", "CheckAuthorization", "(sa{sv})sa{ss}us",
+            [subject, action, {}, 1 if interactive else 0, ""])
         try:
-            reply = await asyncio.wait_for(
-                self.bus.call(message), INTERACTIVE_TIMEOUT if interactive else QUICK_TIMEOUT)
+            (result,) = await asyncio.wait_for(
+                asking, INTERACTIVE_TIMEOUT if interactive else QUICK_TIMEOUT)
         except TimeoutError:
             raise AccessDenied(f"no answer from polkit about {action} in time") from None
-        if reply is None or reply.message_type != MessageType.METHOD_RETURN:
-            detail = reply.body[0] if reply is not None and reply.body else "no reply"
-            raise AccessDenied(f"polkit could not decide on {action}: {detail}")
-        authorized, challenge, _ = reply.body[0]
+        except dbuscall.CallError as exc:
+            raise AccessDenied(f"polkit could not decide on {action}: {exc.text}") from None
+        authorized, challenge, _ = result
         if authorized:
             return
         if challenge and not interactive:

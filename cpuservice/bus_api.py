@@ -16,8 +16,8 @@ from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAcce
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import __version__
-from .authz import ALLOCATE, MANAGE, Authority, PidHandles, process_uid
+from . import __version__, dbuscall
+from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, process_uid
 from .errors import CPUServiceError, InvalidArgument, NoSuchAllocation
 from .pools import Ledger
 from .service import Service
@@ -208,13 +208,12 @@ class Manager(ServiceInterface):
             return 0
         if sender in self._uids:
             return self._uids[sender]
-        reply = await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="GetConnectionUnixUser", signature="s",
-            body=[sender]))
-        if reply is None or reply.message_type != MessageType.METHOD_RETURN:
-            raise DBusError("org.freedesktop.DBus.Error.AccessDenied", "caller unknown")
-        self._uids[sender] = int(reply.body[0])
+        try:
+            (uid,) = await dbuscall.call(self.bus, *dbuscall.BUS, "GetConnectionUnixUser", "s",
+                                         [sender])
+        except dbuscall.CallError:
+            raise AccessDenied("the caller's uid is unknown") from None
+        self._uids[sender] = int(uid)
         while len(self._uids) > 4096:
             self._uids.popitem(last=False)
         return self._uids[sender]

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from dbus_fast import BusType, Message, MessageFlag, MessageType, Variant
+from dbus_fast import BusType, MessageFlag, Variant
 from dbus_fast.aio import MessageBus
+
+from . import dbuscall
 
 DEST = "org.cpuservice1"
 PATH = "/org/cpuservice1"
@@ -27,15 +29,9 @@ EXIT_BY_ERROR = {
 }
 
 
-class CallFailed(Exception):
-    def __init__(self, name: str, text: str) -> None:
-        super().__init__(text)
-        self.name = name
-        self.text = text
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_BY_ERROR.get(self.name, EXIT_FAILURE)
+def exit_code(error: dbuscall.CallError) -> int:
+    """The exit code the command-line tools give an error reply."""
+    return EXIT_BY_ERROR.get(error.name, EXIT_FAILURE)
 
 
 def variants(options: Mapping[str, Any]) -> dict[str, Variant]:
@@ -72,15 +68,8 @@ class Client:
         self, member: str, signature: str = "", body: Sequence[Any] = (), path: str = PATH,
         interface: str = MANAGER,
     ) -> list[Any]:
-        reply = await self.bus.call(Message(
-            destination=DEST, path=path, interface=interface, member=member,
-            signature=signature, body=list(body), flags=self.flags))
-        if reply is None:
-            raise CallFailed("org.freedesktop.DBus.Error.NoReply", f"no reply to {member}")
-        if reply.message_type == MessageType.ERROR:
-            text = reply.body[0] if reply.body else reply.error_name or "failed"
-            raise CallFailed(reply.error_name or "", str(text))
-        return list(reply.body)
+        return await dbuscall.call(self.bus, DEST, path, interface, member, signature, body,
+                                   self.flags)
 
     async def properties(self, path: str = PATH, interface: str = MANAGER) -> dict[str, Any]:
         (values,) = await self.call("GetAll", "s", [interface], path=path, interface=PROPERTIES)

@@ -15,7 +15,7 @@ from typing import Any
 
 from dbus_fast import Message, MessageType
 
-from . import topoview
+from . import dbuscall, topoview
 from .client import (
     ALLOCATION,
     DEST,
@@ -23,8 +23,8 @@ from .client import (
     NO_QUOTA,
     PATH,
     UNLIMITED,
-    CallFailed,
     Client,
+    exit_code,
     unwrap,
     variants,
 )
@@ -192,9 +192,8 @@ async def _topology(c: Client, args: argparse.Namespace) -> int:
 
 
 async def _watch(c: Client, args: argparse.Namespace) -> int:
-    await c.bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-                             interface="org.freedesktop.DBus", member="AddMatch", signature="s",
-                             body=[f"type='signal',sender='{DEST}',path='{PATH}'"]))
+    await dbuscall.call(c.bus, *dbuscall.BUS, "AddMatch", "s",
+                        [f"type='signal',sender='{DEST}',path='{PATH}'"])
 
     def on(msg: Message) -> bool:
         if msg.message_type == MessageType.SIGNAL and msg.path == PATH and msg.member:
@@ -240,9 +239,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return asyncio.run(_run(args))
-    except CallFailed as exc:
+    except dbuscall.CallError as exc:
         print(f"cpuservicectl: {exc.text}", file=sys.stderr)
-        return exc.exit_code
+        return exit_code(exc)
     except KeyboardInterrupt:
         return 0
     except (OSError, ConnectionError) as exc:

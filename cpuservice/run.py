@@ -18,7 +18,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .client import ALLOCATION, EXIT_FAILURE, CallFailed, Client
+from . import dbuscall
+from .client import ALLOCATION, EXIT_FAILURE, Client, exit_code
 from .ctl import add_option_args, options_of
 
 
@@ -72,9 +73,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, passthrough, command = split(sys.argv[1:] if argv is None else argv)
     try:
         _, slice_unit = asyncio.run(prepare(args))
-    except CallFailed as exc:
+    except dbuscall.CallError as exc:
         print(f"cpuservice-run: {exc.text}", file=sys.stderr)
-        return exc.exit_code
+        return exit_code(exc)
     except (OSError, ConnectionError) as exc:
         print(f"cpuservice-run: cannot reach cpuserviced: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -15,6 +15,7 @@ from typing import Any
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
+from . import dbuscall
 from .errors import SystemdFailure
 
 DEST = "org.freedesktop.systemd1"
@@ -66,11 +67,10 @@ class Systemd:
                 "member='PropertiesChanged'")
 
     async def _bus_call(self, member: str, rule: str) -> None:
-        reply = await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member=member, signature="s", body=[rule]))
-        if reply is None or reply.message_type == MessageType.ERROR:
-            raise SystemdFailure(f"{member} failed: {reply.body if reply else 'no reply'}")
+        try:
+            await dbuscall.call(self.bus, *dbuscall.BUS, member, "s", [rule])
+        except dbuscall.CallError as exc:
+            raise SystemdFailure(f"{member} failed: {exc.text}") from None
 
     def _on_message(self, msg: Message) -> bool:
         if msg.message_type != MessageType.SIGNAL or msg.sender is None:
@@ -99,15 +99,10 @@ class Systemd:
         self, member: str, signature: str = "", body: Sequence[Any] = (), path: str = PATH,
         interface: str = MANAGER,
     ) -> list[Any]:
-        reply = await self.bus.call(Message(
-            destination=DEST, path=path, interface=interface, member=member,
-            signature=signature, body=list(body)))
-        if reply is None:
-            raise SystemdFailure(f"systemd did not answer {member}")
-        if reply.message_type == MessageType.ERROR:
-            detail = reply.body[0] if reply.body else ""
-            raise SystemdFailure(f"systemd refused {member}: {reply.error_name}: {detail}")
-        return list(reply.body)
+        try:
+            return await dbuscall.call(self.bus, DEST, path, interface, member, signature, body)
+        except dbuscall.CallError as exc:
+            raise SystemdFailure(f"systemd refused {member}: {exc.name}: {exc.text}") from None
 
     async def _run_job(self, member: str, signature: str, body: Sequence[Any]) -> None:
         (job,) = await self.call(member, signature, body)

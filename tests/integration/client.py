@@ -9,14 +9,10 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
 
+from cpuservice import dbuscall
+
 DEST, PATH, IFACE = "org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager"
-
-
-class CallError(Exception):
-    def __init__(self, name: str, text: str) -> None:
-        super().__init__(f"{name}: {text}")
-        self.name = name
-        self.text = text
+CallError = dbuscall.CallError
 
 
 async def connect(address: str) -> MessageBus:
@@ -27,12 +23,7 @@ async def call(
     bus: MessageBus, member: str, signature: str = "", body: Sequence[Any] = (),
     path: str = PATH, interface: str = IFACE,
 ) -> list[Any]:
-    reply = await bus.call(Message(destination=DEST, path=path, interface=interface,
-                                   member=member, signature=signature, body=list(body)))
-    assert reply is not None
-    if reply.message_type == MessageType.ERROR:
-        raise CallError(reply.error_name or "", reply.body[0] if reply.body else "")
-    return list(reply.body)
+    return await dbuscall.call(bus, DEST, path, interface, member, signature, body)
 
 
 class Signals:
@@ -43,10 +34,8 @@ class Signals:
         self.seen: list[tuple[str, str, list[Any]]] = []
 
     async def start(self) -> Signals:
-        await self.bus.call(Message(
-            destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
-            interface="org.freedesktop.DBus", member="AddMatch", signature="s",
-            body=[f"type='signal',sender='{DEST}'"]))
+        await dbuscall.call(self.bus, *dbuscall.BUS, "AddMatch", "s",
+                            [f"type='signal',sender='{DEST}'"])
         self.bus.add_message_handler(self._on)
         return self
 
