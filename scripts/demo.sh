@@ -16,3 +16,5 @@ echo "== its unit"
 systemctl show 'cpuservice-bound-demo.slice' -p Id -p ActiveState -p AllowedCPUs -p CPUWeight \
     -p CPUQuotaPerSecUSec
 systemctl show cpuservice-shared.slice -p Id -p AllowedCPUs
+echo "== cpuservicectl topology"
+cpuservicectl --no-ask-password topology
