@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from types import MappingProxyType
@@ -298,36 +298,30 @@ class Service:
     def _shared_units(self) -> tuple[str, ...]:
         return (units.SHARED, *(units.CONFINED if self.config.confine_host else ()))
 
-    def _set_shared(self, cpus: CPUSet) -> list[Awaitable[None]]:
-        return [self.systemd.set_properties(unit, units.shared_props(cpus))
-                for unit in self._shared_units()]
+    async def _set_shared(self, cpus: CPUSet) -> None:
+        for unit in self._shared_units():
+            await self.systemd.set_properties(unit, units.shared_props(cpus))
 
     async def _apply(self, old: State, new: State, changed: set[str]) -> None:
         """The calls that take systemd from ``old`` to ``new``: the shared pool shrinks first and
-        grows last, so a CPU is never in the shared pool and a bound slice at once. Calls are
-        pipelined: systemd handles one connection's messages in order."""
-        calls: list[Awaitable[None]] = []
+        grows last, so a CPU is never in the shared pool and a bound slice at once."""
         old_shared, new_shared = old.ledger.shared, new.ledger.shared
         between = old_shared & new_shared
         if new_shared != old_shared and between and between != old_shared:
-            calls += self._set_shared(between)
+            await self._set_shared(between)
         for name in sorted(changed):
             before = self._target(old, name) if name in old.ledger.allocations else None
             after = self._target(new, name) if name in new.ledger.allocations else None
             if after is None:
                 assert before is not None
-                calls.append(self._remove(before, old.records[name]))
+                await self._remove(before, old.records[name])
             elif before is None or before.unit != after.unit:
-                calls.append(self._create(after))
+                await self._create(after)
             else:
                 diff = {k: v for k, v in after.props.items() if before.props.get(k) != v}
-                calls.append(self.systemd.set_properties(after.unit, diff))
+                await self.systemd.set_properties(after.unit, diff)
         if new_shared != old_shared and new_shared != between:
-            calls += self._set_shared(new_shared)
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
+            await self._set_shared(new_shared)
 
     async def _create(self, target: units.Target) -> None:
         if target.own_slice:
