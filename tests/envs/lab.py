@@ -14,12 +14,14 @@ powers off.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -63,6 +65,7 @@ ExecStart=/usr/local/sbin/cpuservice-lab-runner
 WantedBy=multi-user.target
 """
 RECIPE_VERSION = 1
+_PR_SET_PDEATHSIG = 1
 
 
 class LabError(RuntimeError):
@@ -246,7 +249,8 @@ def run(
         env = {**os.environ, "TMPDIR": str(workdir)}
         qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir), env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
+                                stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         try:
             _, err = qemu.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -262,6 +266,11 @@ def run(
         results = _parse(log)
         booted = re.search(r"@@BOOTED ([0-9.]+)", log)
         return Run(results, float(booted.group(1)) if booted else 0.0, total, console)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: QEMU gets SIGKILL if the process that started it dies."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _tail(workdir: Path) -> str:
