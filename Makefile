@@ -14,7 +14,15 @@ lint:
 	$(PY) -m ruff check cpuservice bench tests
 	$(PY) -m mypy
 
-test: lint test-unit test-integration test-lab
+# Each tier says when it starts and how long it took (scripts/tier.sh); the first failure stops.
+TIER    := bash scripts/tier.sh
+SUBMAKE := $(MAKE) --no-print-directory
+test:
+	@$(TIER) lint $(SUBMAKE) lint
+	@$(TIER) unit-pypi $(SUBMAKE) test-unit-venv
+	@$(TIER) unit-debian $(SUBMAKE) test-unit-debian
+	@$(TIER) integration $(SUBMAKE) test-integration
+	@$(TIER) lab $(SUBMAKE) test-lab
 
 test-unit: test-unit-venv test-unit-debian
 

@@ -18,8 +18,9 @@ ROUNDS = int(os.environ.get("CPUSERVICE_BENCH_ROUNDS", "21"))
 
 def main() -> int:
     outcome = lab.run({
-        "bench": "bash /payload/scripts/install.sh >/dev/null\n"
-                 f"python3 /payload/tests/lab/scenarios/hotplug.py bench {ROUNDS}\n",
+        "bench": lab.Scenario("bash /payload/scripts/install.sh >/dev/null\n"
+                              f"python3 /payload/tests/lab/scenarios/hotplug.py bench {ROUNDS}\n",
+                              timeout=300 + 20 * ROUNDS),
     })
     result = outcome.results["bench"]
     rows = [json.loads(line[7:]) for line in result.output.splitlines()

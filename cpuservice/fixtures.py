@@ -96,6 +96,9 @@ def write_sysfs(root: str | Path, machine: Machine | str) -> Path:
         d.mkdir(parents=True, exist_ok=True)
         if cpu != rows[0][0]:
             _write(d / "online", "1" if cpu in online else "0")
+        link = d / f"node{mine[3]}"
+        if not link.is_symlink():
+            link.symlink_to(f"../../node/node{mine[3]}")  # kept while offline, as the kernel does
         if cpu not in online:
             for gone in ("topology", "cache"):
                 shutil.rmtree(d / gone, ignore_errors=True)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 from .cpuset import EMPTY, CPUSet
 
-UNKNOWN = -1
 _CPU_DIR = re.compile(r"cpu(\d+)$")
 _NODE_DIR = re.compile(r"node(\d+)$")
 
@@ -25,7 +24,8 @@ class TopologyError(RuntimeError):
 
 @dataclass(frozen=True)
 class CPU:
-    """One logical CPU. ``core`` and ``l3`` are dense indexes; the rest are kernel ids."""
+    """One logical CPU. ``core`` and ``l3`` are dense indexes; the rest are kernel ids (always
+    ids the machine has: see discover())."""
 
     cpu: int
     core: int
@@ -61,6 +61,8 @@ class Topology:
 
     cpus: Mapping[int, CPU]
     isolated: CPUSet = field(default=EMPTY)
+    inferred: CPUSet = field(default=EMPTY)
+    """CPUs whose place could not be read (never seen online): inferred, read when online."""
 
     @cached_property
     def all(self) -> CPUSet:
@@ -114,10 +116,11 @@ class Topology:
     def with_online(self, online: CPUSet) -> Topology:
         """The same machine with another online set (for pure hotplug tests)."""
         cpus = {c: _replace_online(info, c in online) for c, info in self.cpus.items()}
-        return Topology(cpus, self.isolated)
+        return Topology(cpus, self.isolated, self.inferred)
 
     def to_json(self) -> str:
-        return json.dumps([self.cpus[c].as_dict() for c in sorted(self.cpus)])
+        return json.dumps([{**self.cpus[c].as_dict(), "inferred": c in self.inferred}
+                           for c in sorted(self.cpus)])
 
 
 def _replace_online(info: CPU, online: bool) -> CPU:
@@ -127,13 +130,24 @@ def _replace_online(info: CPU, online: bool) -> CPU:
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
-    except (FileNotFoundError, NotADirectoryError):
+    except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
         return None
 
 
-def _read_int(path: Path) -> int:
+def _read_int(path: Path) -> int | None:
+    """An integer file, or None when it is missing or not an integer (a CPU in transition)."""
+    text = (_read(path) or "").strip("\0 \n\t")
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _read_list(path: Path) -> CPUSet | None:
     text = _read(path)
-    return int(text) if text is not None and text.strip().lstrip("-").isdigit() else UNKNOWN
+    if text is None:
+        return None
+    try:
+        return CPUSet.parse(text.strip("\0 \n\t"))
+    except ValueError:
+        return None
 
 
 def _l3_list(cpu_dir: Path) -> CPUSet | None:
@@ -142,98 +156,186 @@ def _l3_list(cpu_dir: Path) -> CPUSet | None:
         return None
     for index in sorted(cache.glob("index*")):
         if (_read(index / "level") or "").strip() == "3":
-            text = _read(index / "shared_cpu_list")
-            if text is not None:
-                return CPUSet.parse(text)
+            cpus = _read_list(index / "shared_cpu_list")
+            if cpus:
+                return cpus
     return None
+
+
+def _node_link(cpu_dir: Path) -> int | None:
+    """The node of ``cpuN/nodeM``: the kernel keeps this link while the CPU is offline."""
+    for link in cpu_dir.glob("node*"):
+        if (m := _NODE_DIR.match(link.name)) and link.is_dir():
+            return int(m.group(1))
+    return None
+
+
+def _nodes(sysfs_root: Path) -> dict[int, int]:
+    """cpu -> node from the nodes' cpulists; a CPU listed twice belongs to the lowest node."""
+    node_of: dict[int, int] = {}
+    dirs = [(int(m.group(1)), d) for d in (sysfs_root / "devices/system/node").glob("node*")
+            if (m := _NODE_DIR.match(d.name))]
+    for node, node_dir in sorted(dirs, reverse=True):
+        for c in _read_list(node_dir / "cpulist") or EMPTY:
+            node_of[c] = node
+    return node_of
 
 
 def refresh(sysfs_root: str | Path, previous: Topology) -> Topology:
     """The topology after a hotplug event, reading little: when the same CPUs exist and every CPU
-    that came online reports the same package and core siblings as before, the previous topology
-    with the new online and isolated sets; otherwise a full discover()."""
-    base = Path(sysfs_root) / "devices/system/cpu"
+    that came online reports the package, core siblings and node it had before (and its place was
+    read, not inferred), the previous topology with the new online and isolated sets; otherwise a
+    full discover()."""
+    root = Path(sysfs_root)
+    base = root / "devices/system/cpu"
     ids = {int(m.group(1)) for p in base.glob("cpu*") if (m := _CPU_DIR.match(p.name))}
-    online_text = _read(base / "online")
-    if ids != previous.cpus.keys() or online_text is None:
+    online = _read_list(base / "online")
+    if ids != previous.cpus.keys() or online is None:
         return discover(sysfs_root, previous)
-    online = CPUSet.parse(online_text)
+    if previous.inferred & online:
+        return discover(sysfs_root, previous)
+    node_of: dict[int, int] | None = None
     for cpu in online - previous.online:
         info = previous.cpus[cpu]
         topo = base / f"cpu{cpu}/topology"
-        siblings = CPUSet.parse(_read(topo / "thread_siblings_list") or "")
+        siblings = _read_list(topo / "thread_siblings_list")
         core = CPUSet(c for c, i in previous.cpus.items() if i.core == info.core)
-        if _read_int(topo / "physical_package_id") != info.socket or not siblings <= core:
+        package = _read_int(topo / "physical_package_id")
+        if package is None or max(package, 0) != info.socket or siblings is None \
+                or not siblings <= core:
             return discover(sysfs_root, previous)
-    isolated = CPUSet.parse(_read(base / "isolated") or "")
-    return Topology(previous.with_online(online).cpus, isolated)
+        if node_of is None:
+            node_of = _nodes(root)
+        node = node_of.get(cpu, _node_link(base / f"cpu{cpu}"))
+        if node is not None and node != info.node:
+            return discover(sysfs_root, previous)
+    isolated = _read_list(base / "isolated") or EMPTY
+    return Topology(previous.with_online(online).cpus, isolated, previous.inferred)
 
 
 def discover(sysfs_root: str | Path = "/sys", previous: Topology | None = None) -> Topology:
     """Read the topology under ``sysfs_root``.
 
-    Offline CPUs have no topology files; their placement is taken from ``previous`` when given,
-    else left UNKNOWN. Physical cores are keyed by (package, die, core_id).
+    Physical cores are keyed by (package, die, core_id). A CPU whose topology files cannot be
+    read (offline, or half-way through going on- or offline) keeps its place from ``previous``
+    when that place was read; otherwise its place is inferred and the CPU is listed in
+    ``inferred`` (re-read when it comes online): the node from its ``nodeN`` link (which the
+    kernel keeps while the CPU is offline), the package from its node's other CPUs, a core and an
+    L3 group of its own. Every id in the result is one the machine has; nothing is UNKNOWN.
     """
-    base = Path(sysfs_root) / "devices/system/cpu"
+    root = Path(sysfs_root)
+    base = root / "devices/system/cpu"
     ids = sorted(int(m.group(1)) for p in base.glob("cpu*") if (m := _CPU_DIR.match(p.name)))
     if not ids:
         raise TopologyError(f"no CPUs under {base}")
-    online_text = _read(base / "online")
-    if online_text is not None:
-        online = CPUSet.parse(online_text)
-    else:
+    online = _read_list(base / "online")
+    if online is None:
         online = CPUSet(c for c in ids if (_read(base / f"cpu{c}/online") or "1").strip() == "1")
-    isolated = CPUSet.parse(_read(base / "isolated") or "")
+    isolated = _read_list(base / "isolated") or EMPTY
+    node_of = _nodes(root)
+    for c in ids:
+        if c not in node_of and (link := _node_link(base / f"cpu{c}")) is not None:
+            node_of[c] = link
 
-    node_of: dict[int, int] = {}
-    for node_dir in (Path(sysfs_root) / "devices/system/node").glob("node*"):
-        if m := _NODE_DIR.match(node_dir.name):
-            for c in CPUSet.parse(_read(node_dir / "cpulist") or ""):
-                node_of[c] = int(m.group(1))
-    default_node = 0 if not node_of else UNKNOWN
-
-    fresh: dict[int, tuple[object, object, int, int, int]] = {}
+    fresh: dict[int, _Place] = {}
     for c in ids:
         topo_dir = base / f"cpu{c}/topology"
-        if topo_dir.is_dir():
-            socket = _read_int(topo_dir / "physical_package_id")
-            die = max(_read_int(topo_dir / "die_id"), 0)
-            l3 = _l3_list(base / f"cpu{c}")
-            l3_key = ("l3", l3.first()) if l3 else ("socket", socket, die)
-            core_key = (socket, die, _read_int(topo_dir / "core_id"))
-            fresh[c] = (core_key, l3_key, socket, die, node_of.get(c, default_node))
+        package = _read_int(topo_dir / "physical_package_id")
+        core_id = _read_int(topo_dir / "core_id")
+        if package is None or core_id is None:
+            continue
+        socket = max(package, 0)
+        die = max(_read_int(topo_dir / "die_id") or 0, 0)
+        l3 = _l3_list(base / f"cpu{c}")
+        fresh[c] = _Place((socket, die, core_id), ("l3", l3.first()) if l3 else None,
+                          socket, die, node_of.get(c))
 
-    raw = dict(fresh)
+    has_l3 = any(p.l3 is not None for p in fresh.values())
+    raw: dict[int, _Place] = {}
+    inferred: set[int] = set()
     for c in ids:
-        if c in raw:
-            continue
-        known = previous.cpus.get(c) if previous else None
-        if previous is None or known is None:
-            raw[c] = (("unknown", c), ("unknown", c), UNKNOWN, UNKNOWN,
-                      node_of.get(c, default_node))
-            continue
-        raw[c] = (_peer_key(previous, fresh, c, "core", 0), _peer_key(previous, fresh, c, "l3", 1),
-                  known.socket, known.die, known.node)
+        known = previous.cpus.get(c) if previous and c not in previous.inferred else None
+        if c in fresh:
+            place = fresh[c]
+            if place.l3 is None and known:
+                place = replace(place, l3=_peer_key(previous, fresh, c, "l3")
+                                or ("previous l3", known.l3))
+            elif place.l3 is None and not has_l3:
+                place = replace(place, l3=("socket", place.socket, place.die))
+            if place.node is None and known:
+                place = replace(place, node=known.node)
+            if place.l3 is None or place.node is None:
+                inferred.add(c)  # half-way online: read again at the next event
+            raw[c] = place
+        elif known and previous:
+            raw[c] = _Place(_peer_key(previous, fresh, c, "core") or ("previous core", known.core),
+                            _peer_key(previous, fresh, c, "l3") or ("previous l3", known.l3),
+                            known.socket, known.die, node_of.get(c, known.node))
+        else:
+            inferred.add(c)
+            raw[c] = _Place(("alone", c), None, -1, 0, node_of.get(c))
+    _infer(raw, node_of)
 
-    core_index = _dense({c: r[0] for c, r in raw.items()})
-    l3_index = _dense({c: r[1] for c, r in raw.items()})
+    core_index = _dense({c: p.core for c, p in raw.items()})
+    l3_index = _dense({c: p.l3 for c, p in raw.items()})
     cpus = {
-        c: CPU(c, core_index[c], r[2], r[3], r[4], l3_index[c], c in online)
-        for c, r in sorted(raw.items())
+        c: CPU(c, core_index[c], p.socket, p.die, p.node if p.node is not None else 0,
+               l3_index[c], c in online)
+        for c, p in sorted(raw.items())
     }
-    return Topology(cpus, isolated)
+    return Topology(cpus, isolated, CPUSet(inferred))
 
 
-def _peer_key(
-    previous: Topology, fresh: Mapping[int, tuple[object, ...]], cpu: int, attr: str, slot: int
-) -> object:
+@dataclass(frozen=True)
+class _Place:
+    """Where one CPU sits, before group keys become dense indexes."""
+
+    core: object
+    l3: object
+    socket: int
+    die: int
+    node: int | None
+
+
+def _infer(raw: dict[int, _Place], node_of: Mapping[int, int]) -> None:
+    """Fill in what could not be read, from what could: a missing node from the CPU's core
+    siblings, else the most common node of its package, else the lowest node; a missing package
+    from the CPUs of its node, else the lowest package; a missing L3 group from its package."""
+    nodes = sorted(set(node_of.values())) or [0]
+    for c, p in sorted(raw.items()):
+        if p.socket < 0:
+            peers = [q.socket for d, q in raw.items() if q.socket >= 0 and p.node is not None
+                     and q.node == p.node]
+            sockets = sorted(q.socket for q in raw.values() if q.socket >= 0) or [0]
+            raw[c] = p = replace(p, socket=_most_common(peers) if peers else sockets[0])
+        if p.node is None:
+            siblings = [q.node for q in raw.values() if q.core == p.core and q.node is not None]
+            package = [q.node for q in raw.values() if q.socket == p.socket and q.node is not None]
+            raw[c] = p = replace(p, node=_most_common(siblings or package) if siblings or package
+                                 else nodes[0])
+        if p.l3 is None:
+            same = [q.l3 for d, q in sorted(raw.items()) if d != c and q.socket == p.socket
+                    and q.l3 is not None and q.core != ("alone", d)]
+            raw[c] = replace(p, l3=same[0] if same else ("alone", c))
+
+
+def _most_common(values: list[int]) -> int:
+    return min(set(values), key=lambda v: (-values.count(v), v))
+
+
+def _peer_key(previous: Topology | None, fresh: Mapping[int, _Place], cpu: int, attr: str
+              ) -> object | None:
     """Key of the group an unreadable CPU belonged to, found through its former peers."""
+    if previous is None:
+        return None
     group = getattr(previous.cpus[cpu], attr)
-    for peer, info in previous.cpus.items():
+    for peer, info in sorted(previous.cpus.items()):
         if getattr(info, attr) == group and peer in fresh:
-            return fresh[peer][slot]
-    return ("previous", attr, group)
+            place = fresh[peer]
+            key = place.core if attr == "core" else place.l3
+            if key is not None:
+                return key
+    return None
 
 
 def _dense(keys: Mapping[int, object]) -> dict[int, int]:

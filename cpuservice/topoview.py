@@ -62,13 +62,14 @@ def render(
     """The tree, one line per group and one per core with its threads."""
     states = cpu_states(pools, allocations, granularity)
 
+    inferred = {row["cpu"] for row in topology if row.get("inferred")}
+
     def mark(cpu: int) -> str:
         kind, label = states.get(cpu, ("offline", "offline"))
-        text = f"cpu{cpu} {label}"
+        text = f"cpu{cpu} {label}" + (" (place inferred)" if cpu in inferred else "")
         return f"\033[{COLOURS[kind]}m{text}\033[0m" if colour else text
 
-    known = [row for row in topology if row["socket"] >= 0]
-    lost = sorted(row["cpu"] for row in topology if row["socket"] < 0)
+    known = list(topology)
     sockets = sorted({row["socket"] for row in known})
     nodes = {row["node"] for row in known}
     l3s = {row["l3"] for row in known}
@@ -106,7 +107,5 @@ def render(
         tree(indent, sorted({(socket, r["node"]) for r in known if r["socket"] == socket}),
              node_line)
 
-    tree("", [*sockets, *(["lost"] if lost else [])],
-         lambda s, head, indent: socket_line(s, head, indent) if s != "lost" else lines.append(
-             f"{head}Offline, place unknown: " + "  ".join(mark(c) for c in lost)))
+    tree("", sockets, socket_line)
     return "\n".join(lines)

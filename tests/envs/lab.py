@@ -38,20 +38,40 @@ PACKAGES = (
     "python3-dbus-fast", "python3-pydantic", "python3-pyudev", "procps", "util-linux",
 )
 RUNNER = """#!/bin/sh
-# Runs every scenario on the payload disk; output and status go to the second serial port.
+# Mounts the payload disk and runs its runner (so the runner can change without a new image).
 mkdir -p /payload
 mount -o ro /dev/vdb /payload
 exec >/dev/ttyS1 2>&1
-echo "@@LAB-BEGIN"
 echo "@@BOOTED $(cut -d' ' -f1 /proc/uptime)"
+sh /payload/runner.sh
+systemctl poweroff --no-block
+"""
+# On the payload: every scenario in order, each under its own time limit (then killed, reason
+# printed); a scenario whose `needs` failed is not run (status 77). The VM powers off after.
+PAYLOAD_RUNNER = """#!/bin/sh
+echo "@@LAB-BEGIN"
+: > /run/lab-failed
 for script in /payload/scenarios/*.sh; do
     name=$(basename "$script" .sh)
-    echo "@@SCENARIO-BEGIN $name"
-    (cd /payload && PYTHONPATH=/payload timeout 900 sh "$script")
-    echo "@@SCENARIO-END $name $?"
+    read -r limit needs < "/payload/scenarios/$name.conf"
+    missing=""
+    for need in $needs; do grep -qx "$need" /run/lab-failed && missing="$missing $need"; done
+    echo "@@SCENARIO-BEGIN $name $(cut -d' ' -f1 /proc/uptime)"
+    if [ -n "$missing" ]; then
+        echo "not run: it needs$missing, which failed"
+        status=77
+    else
+        (cd /payload && PYTHONPATH=/payload timeout -k 5 "$limit" sh "$script")
+        status=$?
+        [ "$status" = 124 ] || [ "$status" = 137 ] && echo "TIMEOUT: $name ran over $limit s"
+    fi
+    if [ "$status" != 0 ]; then
+        echo "${name#*-}" >> /run/lab-failed
+        [ "$status" = 77 ] || journalctl -b -u cpuservice --no-pager -n 30 -o short-monotonic
+    fi
+    echo "@@SCENARIO-END $name $status $(cut -d' ' -f1 /proc/uptime)"
 done
 echo "@@LAB-END"
-systemctl poweroff --no-block
 """
 UNIT = """[Unit]
 Description=cpuservice lab scenarios
@@ -64,7 +84,8 @@ ExecStart=/usr/local/sbin/cpuservice-lab-runner
 [Install]
 WantedBy=multi-user.target
 """
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+BOOT_ALLOWANCE = 300  # seconds from QEMU's start to the first scenario, with room
 _PR_SET_PDEATHSIG = 1
 
 
@@ -89,10 +110,24 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class Scenario:
+    """A shell script run as root in the VM, killed after ``timeout`` seconds; not run when a
+    scenario it ``needs`` failed."""
+
+    script: str
+    timeout: int = 120
+    needs: tuple[str, ...] = ()
+
+
+SKIPPED = 77
+
+
+@dataclass(frozen=True)
 class Result:
     name: str
     status: int
     output: str
+    seconds: float = 0.0
 
 
 def kernel() -> tuple[Path, Path]:
@@ -181,7 +216,7 @@ def _customize(rootfs: Path) -> None:
     subprocess.run(["chroot", str(rootfs), "useradd", "-m", "alice"], check=True)
 
 
-def _payload(workdir: Path, scenarios: Mapping[str, str], files: Sequence[Path]) -> Path:
+def _payload(workdir: Path, scenarios: Mapping[str, Scenario], files: Sequence[Path]) -> Path:
     tree = workdir / "payload"
     (tree / "files").mkdir(parents=True)
     for extra in files:
@@ -190,11 +225,17 @@ def _payload(workdir: Path, scenarios: Mapping[str, str], files: Sequence[Path])
         if (CHECKOUT / name).is_dir():
             shutil.copytree(CHECKOUT / name, tree / name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (tree / "runner.sh").write_text(PAYLOAD_RUNNER)
     (tree / "scenarios").mkdir()
-    for i, (name, script) in enumerate(scenarios.items()):
+    for i, (name, scenario) in enumerate(scenarios.items()):
         if not re.fullmatch(r"[a-z0-9-]+", name):
             raise LabError(f"scenario name {name!r}: use a-z, 0-9 and -")
-        (tree / "scenarios" / f"{i:02d}-{name}.sh").write_text(script)
+        unknown = set(scenario.needs) - set(list(scenarios)[:i])
+        if unknown:
+            raise LabError(f"scenario {name} needs {sorted(unknown)}, which do not run before it")
+        (tree / "scenarios" / f"{i:02d}-{name}.sh").write_text(scenario.script)
+        (tree / "scenarios" / f"{i:02d}-{name}.conf").write_text(
+            f"{scenario.timeout} {' '.join(scenario.needs)}\n")
     image = workdir / "payload.img"
     _mkfs(tree, image, "64M")
     return image
@@ -234,29 +275,31 @@ class Run:
 
 
 def run(
-    scenarios: Mapping[str, str],
+    scenarios: Mapping[str, str | Scenario],
     shape: Shape = Shape(),
-    timeout: float = 1200,
     files: Sequence[Path] = (),
 ) -> Run:
-    """Boot once, run the scenarios (name -> shell script) in order, return their results.
-    ``files`` are copied to /payload/files in the VM."""
+    """Boot once, run the scenarios (name -> shell script or Scenario) in order, return their
+    results. ``files`` are copied to /payload/files in the VM. The whole run is bounded by the
+    boot allowance plus every scenario's time limit."""
+    plan = {n: s if isinstance(s, Scenario) else Scenario(s) for n, s in scenarios.items()}
+    timeout = BOOT_ALLOWANCE + sum(s.timeout + 10 for s in plan.values())
     base = base_image()
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cpuservice-lab-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
-        payload = _payload(workdir, scenarios, files)
+        payload = _payload(workdir, plan, files)
         env = {**os.environ, "TMPDIR": str(workdir)}
         qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir), env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=_die_with_parent)
-        try:
-            _, err = qemu.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        reason = _watch(qemu, workdir / "scenarios.log", plan, timeout)
+        if reason:
             qemu.kill()
             qemu.communicate()
-            raise LabError(f"VM did not finish in {timeout} s: {_tail(workdir)}") from None
+            raise LabError(f"{reason}: {_tail(workdir)}")
+        _, err = qemu.communicate()
         total = time.monotonic() - began
         log = (workdir / "scenarios.log").read_text(errors="replace")
         console = (workdir / "console.log").read_text(errors="replace")
@@ -266,6 +309,37 @@ def run(
         results = _parse(log)
         booted = re.search(r"@@BOOTED ([0-9.]+)", log)
         return Run(results, float(booted.group(1)) if booted else 0.0, total, console)
+
+
+def _watch(qemu: subprocess.Popen[bytes], log_path: Path, plan: Mapping[str, Scenario],
+           timeout: float) -> str | None:
+    """Follow the VM's report until QEMU exits. The reason to stop it early, if any: it did not
+    boot within BOOT_ALLOWANCE, a scenario ran well over its limit (the VM's own timeout should
+    have ended it), it did not power off after the last scenario, or the whole run is over."""
+    limits = {f"{i:02d}-{n}": s.timeout for i, (n, s) in enumerate(plan.items())}
+    began = time.monotonic()
+    state, since = "boot", began
+    while qemu.poll() is None:
+        time.sleep(0.5)
+        now = time.monotonic()
+        log = log_path.read_text(errors="replace") if log_path.exists() else ""
+        starts = re.findall(r"@@SCENARIO-BEGIN (\S+)", log)
+        ends = re.findall(r"@@SCENARIO-END (\S+)", log)
+        if "@@LAB-END" in log:
+            current, limit = "poweroff", 120
+        elif len(starts) > len(ends):
+            current, limit = starts[-1], limits.get(starts[-1], 0) + 30
+        elif "@@BOOTED" in log:
+            current, limit = f"between scenarios after {len(ends)}", 60
+        else:
+            current, limit = "boot", BOOT_ALLOWANCE
+        if current != state:
+            state, since = current, now
+        if now - since > limit:
+            return f"stopped the VM: {state} took over {limit} s"
+        if now - began > timeout:
+            return f"stopped the VM: the whole run took over {timeout} s"
+    return None
 
 
 def _die_with_parent() -> None:
@@ -284,9 +358,11 @@ def _tail(workdir: Path) -> str:
 
 def _parse(log: str) -> dict[str, Result]:
     results = {}
-    pattern = r"@@SCENARIO-BEGIN \d+-(\S+)\r?\n(.*?)@@SCENARIO-END \d+-\1 (\d+)"
+    pattern = (r"@@SCENARIO-BEGIN \d+-(\S+) ([0-9.]+)\r?\n(.*?)"
+               r"@@SCENARIO-END \d+-\1 (\d+) ([0-9.]+)")
     for m in re.finditer(pattern, log, re.S):
-        results[m.group(1)] = Result(m.group(1), int(m.group(3)), m.group(2).replace("\r", ""))
+        results[m.group(1)] = Result(m.group(1), int(m.group(4)), m.group(3).replace("\r", ""),
+                                     float(m.group(5)) - float(m.group(2)))
     return results
 
 

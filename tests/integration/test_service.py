@@ -62,7 +62,7 @@ def test_every_method_and_property(daemon: ServiceHost) -> None:
     assert daemon.prop("OnlineCPUs") == "0-15" and daemon.prop("IsolatedCPUs") == ""
     topo = json.loads(daemon.prop("Topology"))
     assert len(topo) == 16 and set(topo[0]) == {"cpu", "core", "socket", "die", "node", "l3",
-                                                 "online"}
+                                                 "online", "inferred"}
     plan = {k: v.value for k, v in _call(
         daemon, "Plan", "sa{sv}", ["2", {"bind": client_variant("b", True)}])[0].items()}
     assert plan["cpuset"] == "0,8" and plan["cpu-weight"] == 100 and plan["shares"] == {0: 100,

@@ -6,35 +6,6 @@ import pytest
 
 from tests.envs import lab
 
-RULE = """polkit.addRule(function(action, subject) {
-    if (action.id == "org.cpuservice1.allocate" && subject.user == "alice") {
-        return polkit.Result.YES;
-    }
-});"""
-SCENARIO = f"""
-bash /payload/scripts/install.sh >/dev/null
-M="org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager"
-as_alice() {{ runuser -u alice -- busctl "$@"; echo "status $?"; }}
-busctl call $M Allocate 'ssa{{sv}}' rootalloc 1 1 bind b true
-echo "== reads"
-as_alice get-property $M SharedCPUs
-as_alice call $M ListAllocations
-echo "== denied"
-as_alice call $M Allocate 'ssa{{sv}}' alicealloc 1 1 bind b true
-echo "== granted"
-printf '%s\\n' '{RULE}' > /etc/polkit-1/rules.d/50-alice.rules
-systemctl restart polkit
-as_alice call $M Allocate 'ssa{{sv}}' alicealloc 1 1 bind b true
-as_alice get-property org.cpuservice1 /org/cpuservice1/allocation/alicealloc \\
-    org.cpuservice1.Allocation Owner
-echo "== not root's"
-as_alice call $M Release s rootalloc
-as_alice call $M Resize ss rootalloc 2
-echo "== root releases alice's"
-busctl call $M Release s alicealloc; echo "status $?"
-busctl call $M ListAllocations
-"""
-
 
 def sections(output: str) -> dict[str, str]:
     out: dict[str, str] = {}
@@ -48,8 +19,8 @@ def sections(output: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def access(lab_ready: None) -> dict[str, str]:
-    result = lab.run({"access": SCENARIO}).results["access"]
+def access(main_boot: lab.Run) -> dict[str, str]:
+    result = main_boot.results["access"]
     assert result.status == 0, result.output
     return sections(result.output)
 

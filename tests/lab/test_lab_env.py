@@ -7,67 +7,16 @@ import json
 import pytest
 
 from tests.envs import lab
-
-TOPOLOGY = """python3 - <<'PY'
-import json
-from cpuservice.topology import discover
-t = discover("/sys")
-print(json.dumps({"cpus": len(t.cpus), "sockets": len(t.sockets), "nodes": len(t.nodes),
-                  "cores": len(t.cores), "tpc": t.threads_per_core, "isolated": str(t.isolated),
-                  "sibling0": str(t.cores[t.cpus[0].core])}))
-PY
-"""
-SCENARIOS = {
-    "cgroup": "stat -fc %T /sys/fs/cgroup; cat /sys/fs/cgroup/cgroup.controllers",
-    "enforce": "systemd-run -p AllowedCPUs=3 --wait -P grep Cpus_allowed_list /proc/self/status",
-    "topology": TOPOLOGY,
-    "hotplug": """
-udevadm monitor --kernel --udev --subsystem-match=cpu > /tmp/udevadm.log &
-monitor=$!
-python3 - > /tmp/pyudev.log <<'PY' &
-import pyudev, select
-ctx = pyudev.Context()
-mon = pyudev.Monitor.from_netlink(ctx, source="kernel")
-mon.filter_by("cpu")
-mon.start()
-seen = 0
-while seen < 2 and select.select([mon.fileno()], [], [], 30)[0]:
-    while (dev := mon.poll(timeout=0)) is not None:
-        print(dev.action, dev.sys_name, flush=True)
-        seen += 1
-PY
-pyudev=$!
-sleep 3
-echo 0 > /sys/devices/system/cpu/cpu3/online
-echo "online after offline: $(cat /sys/devices/system/cpu/online)"
-sleep 1
-echo 1 > /sys/devices/system/cpu/cpu3/online
-echo "online after online: $(cat /sys/devices/system/cpu/online)"
-wait $pyudev
-sleep 1
-kill $monitor
-cat /tmp/udevadm.log /tmp/pyudev.log
-""",
-    "polkit": """
-id alice
-runuser -u alice -- systemd-run --no-ask-password true
-echo "systemd-run status $?"
-runuser -u alice -- busctl call --allow-interactive-authorization=no org.freedesktop.systemd1 \
-  /org/freedesktop/systemd1 org.freedesktop.systemd1.Manager StartUnit ss ssh.service fail
-echo "busctl status $?"
-""",
-}
+from tests.lab import plan
 
 
 @pytest.fixture(scope="module")
-def boot(lab_ready: None) -> lab.Run:
-    outcome = lab.run(SCENARIOS)
-    print(f"\nVM lab: boot {outcome.boot_seconds:.1f} s, whole run {outcome.total_seconds:.1f} s")
-    return outcome
+def boot(main_boot: lab.Run) -> lab.Run:
+    return main_boot
 
 
 def test_every_scenario_ran(boot: lab.Run) -> None:
-    assert sorted(boot.results) == sorted(SCENARIOS)
+    assert list(boot.results) == list(plan.MAIN)
 
 
 def test_pure_cgroup_v2_with_cpuset(boot: lab.Run) -> None:
@@ -87,7 +36,7 @@ def test_topology_discovery_on_the_real_kernel(boot: lab.Run) -> None:
 
 
 def test_offlining_a_cpu_sends_udev_events(boot: lab.Run) -> None:
-    out = boot.results["hotplug"].output
+    out = boot.results["udev"].output
     assert "online after offline: 0-2,4-7" in out and "online after online: 0-7" in out
     assert any(line.startswith("KERNEL") and "offline" in line and "cpu3" in line
                for line in out.splitlines())
@@ -105,10 +54,35 @@ def test_unprivileged_user_is_refused_by_polkit(boot: lab.Run) -> None:
     assert "systemd-run status 0" not in out and "busctl status 0" not in out
 
 
-def test_other_shapes_and_kernel_arguments(lab_ready: None) -> None:
-    shape = lab.Shape(sockets=1, cores=2, threads=2, nodes=1, memory_mb=1024,
-                      append="isolcpus=3")
-    outcome = lab.run({"topology": TOPOLOGY}, shape)
-    facts = json.loads(outcome.results["topology"].output.strip().splitlines()[-1])
+def test_other_shapes_and_kernel_arguments(small_boot: lab.Run) -> None:
+    facts = json.loads(small_boot.results["topology"].output.strip().splitlines()[-1])
     assert facts == {"cpus": 4, "sockets": 1, "nodes": 1, "cores": 2, "tpc": 2,
                      "isolated": "3", "sibling0": "0-1"}
+
+
+def sysfs_facts(boot: lab.Run) -> dict[str, dict]:
+    out = boot.results["sysfs"]
+    assert out.status == 0, out.output
+    rows = [json.loads(line[7:]) for line in out.output.splitlines() if line.startswith("RESULT ")]
+    return {row["check"]: row for row in rows}
+
+
+def test_what_the_kernel_shows_of_an_offline_cpu(boot: lab.Run) -> None:
+    """The facts discovery relies on (and tests.unit.helpers.write_hotplug_state reproduces):
+    an offline CPU has no topology or cache directory and is in no node's cpulist, but keeps its
+    cpuN/nodeM link."""
+    offline = sysfs_facts(boot)["offline"]
+    assert "topology" not in offline["dir"] and "cache" not in offline["dir"]
+    assert offline["node_links"] == ["node0"]
+    assert all("3" not in text.replace("0-2", "") for text in offline["node_cpulists"].values())
+
+
+def test_half_way_states_are_the_ones_the_unit_tests_reproduce(boot: lab.Run) -> None:
+    """Each state seen while cpu3 went off- and online, as (online mask, topology files, L3
+    cache files, node cpulist), is fully on, fully off, or one of the two half-way states the
+    unit tests name (they also try every other combination)."""
+    facts = sysfs_facts(boot)["transitions"]
+    known = {(True, True, True, True), (False, False, False, False),
+             (False, True, False, False), (False, True, True, True)}  # going-off, coming-on
+    seen = {tuple(s) for s in facts["going_off"] + facts["coming_on"]}
+    assert seen <= known, seen - known

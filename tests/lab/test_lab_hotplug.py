@@ -8,27 +8,6 @@ import pytest
 
 from tests.envs import lab
 
-INSTALL = "bash /payload/scripts/install.sh >/dev/null\n"
-RUN = "python3 /payload/tests/lab/scenarios/hotplug.py"
-CLI = r"""
-A="org.cpuservice1 /org/cpuservice1/allocation"
-cpuservice-run --cpus 2 --bind --name vmrun -- sh -c \
-    "grep Cpus_allowed_list /proc/self/status; busctl get-property $A/vmrun \
-     org.cpuservice1.Allocation CPUSet"
-echo "exit $?"
-sleep 1
-echo "after exit: $(busctl call org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager \
-    ListAllocations | grep -c vmrun)"
-cpuservice-run --cpus 1 --bind --name vmkill -- sh -c 'echo $$ > /run/vmkill.pid; exec sleep 300' &
-while [ ! -s /run/vmkill.pid ]; do sleep 0.1; done
-echo "running: $(busctl call org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager \
-    ListAllocations | grep -c vmkill)"
-kill -9 "$(cat /run/vmkill.pid)"
-sleep 2
-echo "after kill: $(busctl call org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager \
-    ListAllocations | grep -c vmkill)"
-"""
-
 
 def results(outcome: lab.Run, name: str) -> dict[str, dict]:
     out = outcome.results[name]
@@ -39,17 +18,13 @@ def results(outcome: lab.Run, name: str) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def boot(lab_ready: None) -> lab.Run:
-    return lab.run({
-        "install": INSTALL + "systemctl is-active cpuservice",
-        "repair": f"{RUN} repair",
-        "storm": f"{RUN} storm",
-        "cli": CLI,
-    })
+def boot(main_boot: lab.Run) -> lab.Run:
+    return main_boot
 
 
 def test_service_runs_in_the_vm(boot: lab.Run) -> None:
-    assert boot.results["install"].output.strip().endswith("active")
+    result = boot.results["install"]
+    assert result.status == 0 and result.output.strip().endswith("active"), result.output
 
 
 def test_offline_cpu_of_a_bound_allocation_is_replaced(boot: lab.Run) -> None:
@@ -73,6 +48,7 @@ def test_storm_of_toggles_while_clients_allocate(boot: lab.Run) -> None:
 
 
 def test_cpuservice_run_runs_on_exactly_its_cpus(boot: lab.Run) -> None:
+    assert boot.results["cli"].status == 0, boot.results["cli"].output
     out = boot.results["cli"].output
     allowed = next(line.split(":", 1)[1].strip() for line in out.splitlines()
                    if line.startswith("Cpus_allowed_list:"))
@@ -82,5 +58,6 @@ def test_cpuservice_run_runs_on_exactly_its_cpus(boot: lab.Run) -> None:
 
 
 def test_cpuservice_run_released_after_kill9_of_the_wrapper(boot: lab.Run) -> None:
+    assert boot.results["cli"].status == 0, boot.results["cli"].output
     out = boot.results["cli"].output
     assert "running: 1" in out and "after kill: 0" in out

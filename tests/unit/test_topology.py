@@ -5,7 +5,7 @@ from pathlib import Path
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import write_sysfs
-from cpuservice.topology import UNKNOWN, discover
+from cpuservice.topology import discover
 
 
 def test_single_socket_no_smt(machine) -> None:
@@ -40,7 +40,9 @@ def test_offline_noncontiguous_isolated(machine) -> None:
     assert t.all == CPUSet.parse("0-5,16-21")
     assert t.online == CPUSet.parse("0-2,4-5,16,18-21")
     assert t.isolated == CPUSet.parse("20-21")
-    assert not t.cpus[3].online and t.cpus[3].socket == UNKNOWN
+    assert not t.cpus[3].online and 3 in t.inferred and t.inferred == CPUSet([3, 17])
+    assert t.cpus[3].socket == 0 and t.cpus[3].node == 0  # its node link, its node's package
+    assert t.cpus[17].socket == 1 and t.cpus[17].node == 1
     assert t.cores[t.cpus[2].core] == CPUSet([2])  # its sibling 3 is offline
     assert t.core_size[t.cpus[2].core] == 1  # unknown without a previous topology
 
@@ -83,7 +85,7 @@ def test_json_and_1024(machine) -> None:
     assert len(t.cpus) == 1024 and len(t.nodes) == 8
     rows = json.loads(t.to_json())
     assert rows[0] == {"cpu": 0, "core": 0, "socket": 0, "die": 0, "node": 0, "l3": 0,
-                       "online": True}
+                       "online": True, "inferred": False}
 
 
 def test_real_sysfs_of_this_machine() -> None:

@@ -59,4 +59,5 @@ def test_offline_and_isolated(machine) -> None:
     pools = Pools(ledger.online, ledger.reserved, ledger.isolated, ledger.shared)
     text = render(json.loads(t.to_json()), pools, [])
     assert "cpu20 isolated" in text
-    assert "Offline, place unknown: cpu3 offline  cpu17 offline" in text
+    assert "cpu2 shared  " not in text  # cpu3 was never seen online: a core of its own
+    assert "cpu3 offline (place inferred)" in text and "cpu17 offline (place inferred)" in text

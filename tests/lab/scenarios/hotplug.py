@@ -164,6 +164,8 @@ async def storm(c: Client) -> None:
            degraded=[n for n, s in states.items() if s != "active"], units_agree=units_agree,
            double_booked=len(exclusive) != len(set(exclusive)), errors=errors[:5],
            restarts=restarts, active=active)
+    if errors:
+        raise SystemExit(f"FAILED STEP: {len(errors)} requests failed during the storm")
 
 
 async def shared_slice_cpus(bus: MessageBus) -> set[int]:

@@ -1,0 +1,165 @@
+"""What the VM lab runs, in as few boots as possible: one boot of the default shape runs every
+scenario below in order (each with its own time limit; a scenario whose `needs` failed is not
+run), one small boot checks another shape with kernel arguments. The test modules read the
+results of the shared boots (tests/lab/conftest.py)."""
+
+from __future__ import annotations
+
+from tests.envs.lab import Scenario, Shape
+
+LIB = ". /payload/tests/lab/scenarios/lib.sh\n"
+M = "org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager"
+A = "org.cpuservice1 /org/cpuservice1/allocation/pkg org.cpuservice1.Allocation"
+HOTPLUG = "python3 /payload/tests/lab/scenarios/hotplug.py"
+
+TOPOLOGY = """python3 - <<'PY'
+import json
+from cpuservice.topology import discover
+t = discover("/sys")
+print(json.dumps({"cpus": len(t.cpus), "sockets": len(t.sockets), "nodes": len(t.nodes),
+                  "cores": len(t.cores), "tpc": t.threads_per_core, "isolated": str(t.isolated),
+                  "sibling0": str(t.cores[t.cpus[0].core])}))
+PY
+"""
+UDEV = LIB + """
+udevadm monitor --kernel --udev --subsystem-match=cpu > /tmp/udevadm.log &
+monitor=$!
+python3 - > /tmp/pyudev.log <<'PY' &
+import pyudev, select
+ctx = pyudev.Context()
+mon = pyudev.Monitor.from_netlink(ctx, source="kernel")
+mon.filter_by("cpu")
+mon.start()
+seen = 0
+while seen < 2 and select.select([mon.fileno()], [], [], 30)[0]:
+    while (dev := mon.poll(timeout=0)) is not None:
+        print(dev.action, dev.sys_name, flush=True)
+        seen += 1
+PY
+pyudev=$!
+sleep 3
+echo 0 > /sys/devices/system/cpu/cpu3/online
+echo "online after offline: $(cat /sys/devices/system/cpu/online)"
+sleep 1
+echo 1 > /sys/devices/system/cpu/cpu3/online
+echo "online after online: $(cat /sys/devices/system/cpu/online)"
+wait $pyudev
+sleep 1
+kill $monitor
+cat /tmp/udevadm.log /tmp/pyudev.log
+"""
+POLKIT = """
+id alice
+runuser -u alice -- systemd-run --no-ask-password true
+echo "systemd-run status $?"
+runuser -u alice -- busctl call --allow-interactive-authorization=no org.freedesktop.systemd1 \\
+  /org/freedesktop/systemd1 org.freedesktop.systemd1.Manager StartUnit ss ssh.service fail
+echo "busctl status $?"
+"""
+DEB = f"""
+F=/payload/files
+dpkg -i $F/cpuservice_0.1.0_all.deb >/dev/null 2>&1; echo "install $?"
+echo "active $(systemctl is-active cpuservice)"
+busctl introspect org.cpuservice1 /org/cpuservice1 >/dev/null; echo "introspect $?"
+busctl call {M} Allocate 'ssa{{sv}}' pkg 2 1 bind b true >/dev/null
+systemd-run --slice=cpuservice-bound-pkg.slice --unit=pkgworker sleep 1000
+pid=$(systemctl show pkgworker -p MainPID --value)
+echo "cpuset $(busctl get-property {A} CPUSet)"
+echo "process $(grep Cpus_allowed_list /proc/$pid/status | cut -f2)"
+before=$(systemctl show cpuservice -p MainPID --value)
+echo "== upgrade"
+dpkg -i $F/cpuservice_0.1.1_all.deb >/dev/null 2>&1; echo "upgrade $?"
+echo "version $(dpkg-query -W -f '${{Version}}' cpuservice)"
+echo "active $(systemctl is-active cpuservice)"
+echo "restarted $([ "$(systemctl show cpuservice -p MainPID --value)" != "$before" ] && echo yes)"
+echo "cpuset $(busctl get-property {A} CPUSet)"
+echo "process $(grep Cpus_allowed_list /proc/$pid/status | cut -f2)"
+echo "== remove"
+dpkg -r cpuservice >/dev/null 2>&1; echo "remove $?"
+echo "active $(systemctl is-active cpuservice)"
+echo "units $(systemctl list-units --all --plain --no-legend 'cpuservice*' \\
+    | grep -v cpuservice-lab | awk '$3 != "inactive" || $1 ~ /slice$/ {{print $1 ":" $3}}' \\
+    | tr '\\n' ' ')"
+echo "process $(kill -0 $pid 2>/dev/null && echo alive || echo gone)"
+echo "== purge"
+dpkg -P cpuservice >/dev/null 2>&1; echo "purge $?"
+echo "left: $(find / -xdev \\( -path /proc -o -path /sys -o -path /payload -o -path /var/lib/dpkg \\
+    -o -path /var/log \\) -prune -o -name '*cpuservice*' -print | grep -v cpuservice-lab \\
+    | tr '\\n' ' ')"
+"""
+INSTALL = LIB + """
+step 240 "scripts/install.sh" bash /payload/scripts/install.sh >/dev/null
+systemctl is-active cpuservice
+"""
+CLI = LIB + r"""
+A="org.cpuservice1 /org/cpuservice1/allocation"
+holds() { busctl call $M ListAllocations | grep -q "\"$1\""; }
+released() { ! holds "$1"; }
+step 90 "cpuservice-run --name vmrun" cpuservice-run --cpus 2 --bind --name vmrun -- sh -c \
+    "grep Cpus_allowed_list /proc/self/status; busctl get-property $A/vmrun \
+     org.cpuservice1.Allocation CPUSet"
+echo "exit 0"
+wait_until 15 "vmrun released after its command ended" released vmrun
+echo "after exit: 0"
+cpuservice-run --cpus 1 --bind --name vmkill -- sh -c 'echo $$ > /run/vmkill.pid; exec sleep 300' &
+wrapper=$!
+i=0
+until [ -s /run/vmkill.pid ]; do
+    kill -0 $wrapper 2>/dev/null || { wait $wrapper; fail "cpuservice-run --name vmkill ended \
+(exit $?) before its command started"; }
+    i=$((i + 1)); [ $i -gt 600 ] && fail "the command of vmkill did not start within 60 s"
+    sleep 0.1
+done
+holds vmkill && echo "running: 1"
+kill -9 "$(cat /run/vmkill.pid)"
+wait_until 15 "vmkill released after kill -9 of the wrapper" released vmkill
+echo "after kill: 0"
+"""
+RULE = """polkit.addRule(function(action, subject) {
+    if (action.id == "org.cpuservice1.allocate" && subject.user == "alice") {
+        return polkit.Result.YES;
+    }
+});"""
+ACCESS = f"""
+M="{M}"
+as_alice() {{ runuser -u alice -- timeout 60 busctl "$@"; echo "status $?"; }}
+busctl call $M Allocate 'ssa{{sv}}' rootalloc 1 1 bind b true
+echo "== reads"
+as_alice get-property $M SharedCPUs
+as_alice call $M ListAllocations
+echo "== denied"
+as_alice call $M Allocate 'ssa{{sv}}' alicealloc 1 1 bind b true
+echo "== granted"
+printf '%s\\n' '{RULE}' > /etc/polkit-1/rules.d/50-alice.rules
+systemctl restart polkit
+as_alice call $M Allocate 'ssa{{sv}}' alicealloc 1 1 bind b true
+as_alice get-property org.cpuservice1 /org/cpuservice1/allocation/alicealloc \\
+    org.cpuservice1.Allocation Owner
+echo "== not root's"
+as_alice call $M Release s rootalloc
+as_alice call $M Resize ss rootalloc 2
+echo "== root releases alice's"
+busctl call $M Release s alicealloc; echo "status $?"
+busctl call $M ListAllocations
+"""
+
+# The default shape (2 sockets x 2 cores x 2 threads, 2 NUMA nodes), one boot, in this order.
+MAIN: dict[str, Scenario] = {
+    "cgroup": Scenario("stat -fc %T /sys/fs/cgroup; cat /sys/fs/cgroup/cgroup.controllers", 30),
+    "enforce": Scenario(
+        "systemd-run -p AllowedCPUs=3 --wait -P grep Cpus_allowed_list /proc/self/status", 60),
+    "topology": Scenario(TOPOLOGY, 60),
+    "udev": Scenario(UDEV, 90),
+    "sysfs": Scenario("python3 /payload/tests/lab/scenarios/sysfs_facts.py", 60),
+    "polkit": Scenario(POLKIT, 60),
+    "deb": Scenario(DEB, 300),
+    "install": Scenario(INSTALL, 300),
+    "repair": Scenario(f"{HOTPLUG} repair", 150, ("install",)),
+    "storm": Scenario(f"{HOTPLUG} storm", 300, ("install",)),
+    "cli": Scenario(CLI, 240, ("install",)),
+    "access": Scenario(ACCESS, 240, ("install",)),
+}
+
+# Another shape with a kernel argument, a small and quick boot.
+SMALL = Shape(sockets=1, cores=2, threads=2, nodes=1, memory_mb=1024, append="isolcpus=3")
+SMALL_SCENARIOS: dict[str, Scenario] = {"topology": Scenario(TOPOLOGY, 60)}

@@ -1,0 +1,112 @@
+"""Topology through CPU hotplug, on trees that show what the kernel shows half-way through an
+offline or online (tests.unit.helpers.write_hotplug_state): no placeholder ever becomes an id,
+and a CPU that is back online has the place the kernel reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpuservice.cpuset import CPUSet
+from cpuservice.fixtures import MACHINES, write_sysfs
+from cpuservice.topology import Topology, discover, refresh
+from tests.unit.helpers import HOTPLUG_STATES, write_hotplug_state
+
+STATES = st.one_of(st.sampled_from(sorted(HOTPLUG_STATES)),
+                   st.tuples(st.booleans(), st.booleans(), st.booleans(), st.booleans()))
+
+
+def truth(tmp: Path, machine: str) -> Topology:
+    return discover(write_sysfs(tmp / "truth", machine))
+
+
+def assert_valid(t: Topology, real: Topology) -> None:
+    """Every id is one the machine has; every set the service builds from them can be built."""
+    nodes, sockets = set(real.nodes), set(real.sockets)
+    for info in t.cpus.values():
+        assert info.node in nodes and info.socket in sockets and info.die >= 0
+        assert 0 <= info.core < len(t.cpus) and 0 <= info.l3 < len(t.cpus)
+    t.node_set(t.online)
+    assert set(t.nodes) <= nodes and set(t.sockets) <= sockets
+
+
+def test_cpu_read_half_way_offline_keeps_its_node(tmp_path: Path) -> None:
+    """The storm's failure: a CPU read while going offline (topology files still there, gone
+    from its node's cpulist) got node -1, which stayed after it came back online and broke every
+    CPU set built from it."""
+    real = truth(tmp_path, "lab")
+    root = tmp_path / "sys"
+    t = discover(write_hotplug_state(root, "lab", {5: "going-off"}), previous=real)
+    assert_valid(t, real)
+    assert t.cpus[5].node == real.cpus[5].node and not t.inferred
+    t = refresh(write_hotplug_state(root, "lab", {5: "coming-on"}), t)
+    assert_valid(t, real)
+    t = refresh(write_hotplug_state(root, "lab", {}), t)
+    assert t == real
+    t = discover(write_hotplug_state(root, "lab", {5: "going-off"}, links=False), previous=real)
+    assert t.cpus[5].node == real.cpus[5].node  # from the previous reading
+
+
+def test_half_way_states_without_node_links(tmp_path: Path) -> None:
+    real = truth(tmp_path, "b")
+    root = tmp_path / "sys"
+    t = discover(write_hotplug_state(root, "b", {3: "going-off"}, links=False), previous=real)
+    assert_valid(t, real)
+    assert t.cpus[3].node == real.cpus[3].node and t.cpus[3].l3 == real.cpus[3].l3
+    t = discover(write_hotplug_state(root, "b", {3: "coming-on", 11: "offline"}, links=False),
+                 previous=t)
+    assert_valid(t, real)
+    assert (t.cpus[3].node, t.cpus[3].socket) == (real.cpus[3].node, real.cpus[3].socket)
+    t = refresh(write_hotplug_state(root, "b", {}, links=False), t)
+    assert t == real
+
+
+def test_cpu_never_seen_online_is_inferred_then_read(tmp_path: Path) -> None:
+    real = truth(tmp_path, "b")
+    root = tmp_path / "sys"
+    t = discover(write_hotplug_state(root, "b", {5: "offline", 13: "offline"}))
+    assert t.inferred == CPUSet([5, 13]) and t.cpus[5].node == 1 and t.cpus[5].socket == 1
+    assert_valid(t, real)
+    t = refresh(write_hotplug_state(root, "b", {5: (True, True, False, False), 13: "offline"}),
+                t)  # online, its cache not readable yet
+    assert_valid(t, real)
+    assert t.cpus[5].node == real.cpus[5].node and 5 in t.inferred  # no L3 yet: read again
+    t = refresh(write_hotplug_state(root, "b", {13: "offline"}), t)
+    assert t.inferred == CPUSet([13]) and t.cpus[5].l3 == real.cpus[5].l3
+    assert t.cores[t.cpus[5].core] == CPUSet([5])
+    t = refresh(write_hotplug_state(root, "b", {}), t)
+    assert t == real and not t.inferred
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(machine=st.sampled_from(["lab", "b", "d"]), links=st.booleans(), start_fresh=st.booleans(),
+       steps=st.lists(st.tuples(st.integers(0, 63), STATES, st.booleans()),
+                      min_size=1, max_size=12))
+def test_hotplug_sequences_never_leave_the_machines_ids(
+    tmp_path_factory, machine: str, links: bool, start_fresh: bool,
+    steps: list[tuple[int, str | tuple[bool, bool, bool, bool], bool]],
+) -> None:
+    tmp = tmp_path_factory.mktemp("seq")
+    real = truth(tmp, machine)
+    root = tmp / "sys"
+    cpus = sorted(real.cpus)[1:]  # cpu0 cannot go offline
+    states: dict[int, str | tuple[bool, bool, bool, bool]] = {
+        c: "offline" for c in MACHINES[machine].offline}
+    t = discover(write_hotplug_state(root, machine, states, links))
+    if not start_fresh:
+        t = discover(write_hotplug_state(root, machine, {}, links))
+    for index, state, full in steps:
+        states[cpus[index % len(cpus)]] = state
+        write_hotplug_state(root, machine, states, links)
+        t = discover(root, previous=t) if full else refresh(root, t)
+        assert_valid(t, real)
+        for c, info in t.cpus.items():
+            if states.get(c, "online") in ("online", HOTPLUG_STATES["online"]) \
+                    and c not in t.inferred:
+                assert (info.node, info.socket) == (real.cpus[c].node, real.cpus[c].socket)
+    t = refresh(write_hotplug_state(root, machine, {}, links), t)
+    fresh = discover(root)
+    assert t == fresh and not t.inferred
