@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from . import placement, units
+from . import placement, reconcile, units
 from .checkpoint import CheckpointError, Record, State, Store, from_payload
 from .config import Config
 from .cpuset import CPUSet
@@ -29,6 +29,7 @@ from .errors import (
 )
 from .placement import Placement
 from .pools import Allocation, Fragment, Ledger, check_invariants
+from .reconcile import UnitSpec
 from .repair import repair
 from .request import Request, parse_amount, parse_options, validate_name
 from .systemd import Systemd
@@ -244,14 +245,16 @@ class Service:
                 self.store.save(new, changed)
         except Exception as exc:
             log.error("applying a change failed, rolling back: %s", exc)
-            try:
-                await self._sync(old)
-            except Exception as again:
-                log.error("rollback incomplete: %s", again)
+            if sync or not (isinstance(exc, reconcile.Failed) and exc.clean):
+                try:
+                    await self._sync(old)
+                except Exception as again:
+                    log.error("rollback incomplete: %s", again)
             self.store.save(old, changed)
-            if isinstance(exc, CPUServiceError):
-                raise
-            raise SystemdFailure(f"systemd failed: {exc}") from None
+            cause = exc.cause if isinstance(exc, reconcile.Failed) else exc
+            if isinstance(cause, CPUServiceError):
+                raise cause from None
+            raise SystemdFailure(f"systemd failed: {cause}") from None
         self.state = new
         self._publish(old, new, changed, reasons or {})
 
@@ -298,67 +301,54 @@ class Service:
     def _shared_units(self) -> tuple[str, ...]:
         return (units.SHARED, *(units.CONFINED if self.config.confine_host else ()))
 
-    async def _set_shared(self, cpus: CPUSet) -> None:
-        for unit in self._shared_units():
-            await self.systemd.set_properties(unit, units.shared_props(cpus))
+    def _units(self, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
+        """What systemd should hold for the shared pool and the named allocations."""
+        out = {u: UnitSpec(units.shared_props(state.ledger.shared), own=False)
+               for u in self._shared_units()}
+        for name in names:
+            if name in state.ledger.allocations:
+                target = self._target(state, name)
+                saved = state.records.get(name, Record()).saved
+                out[target.unit] = UnitSpec(target.props, target.own_slice, saved)
+        return out
 
     async def _apply(self, old: State, new: State, changed: set[str]) -> None:
-        """The calls that take systemd from ``old`` to ``new``: the shared pool shrinks first and
-        grows last, so a CPU is never in the shared pool and a bound slice at once."""
-        old_shared, new_shared = old.ledger.shared, new.ledger.shared
-        between = old_shared & new_shared
-        if new_shared != old_shared and between and between != old_shared:
-            await self._set_shared(between)
-        for name in sorted(changed):
-            before = self._target(old, name) if name in old.ledger.allocations else None
-            after = self._target(new, name) if name in new.ledger.allocations else None
-            if after is None:
-                assert before is not None
-                await self._remove(before, old.records[name])
-            elif before is None or before.unit != after.unit:
-                await self._create(after)
-            else:
-                diff = {k: v for k, v in after.props.items() if before.props.get(k) != v}
-                await self.systemd.set_properties(after.unit, diff)
-        if new_shared != old_shared and new_shared != between:
-            await self._set_shared(new_shared)
-
-    async def _create(self, target: units.Target) -> None:
-        if target.own_slice:
-            await self.systemd.start_transient(target.unit, target.props)
-        else:
-            await self.systemd.set_properties(target.unit, target.props)
-
-    async def _remove(self, target: units.Target, record: Record) -> None:
-        if target.own_slice:
-            await self.systemd.stop(target.unit)
-        else:
-            await self.systemd.set_properties(target.unit, dict(record.saved), missing_ok=True)
+        """The reconcile transaction from ``old`` to ``new`` for the changed allocations."""
+        tx = reconcile.plan(self._units(old, changed), self._units(new, changed),
+                            old.ledger.exclusive | new.ledger.exclusive)
+        await reconcile.execute(tx, self.systemd)
 
     async def _sync(self, state: State) -> None:
-        """Make systemd match ``state`` whatever it holds now (startup, rollback, repair)."""
-        targets = self._targets(state)
-        actual = dict(await self.systemd.list_units(OWN_PATTERNS))
-        wanted = {t.unit for t in targets.values()}
-        for unit in actual.keys() - wanted:
-            if units.name_of_slice(unit) is not None:
-                log.info("stopping leftover unit %s", unit)
-                await self.systemd.stop(unit)
-        shared = units.shared_props(state.ledger.shared)
-        for unit in self._shared_units():
-            have = await self.systemd.get(unit, cgroup_iface(unit), ["AllowedCPUs"])
-            await self.systemd.set_properties(unit, units.differs(shared, have))
-        for target in targets.values():
-            if target.own_slice and actual.get(target.unit) not in ("active", "activating"):
-                if target.unit in actual:
-                    await self.systemd.stop(target.unit)
-                await self.systemd.start_transient(target.unit, target.props)
+        """Make systemd match ``state`` whatever it holds now (startup, Revalidate, a rollback
+        that could not be undone): the same transaction, from what systemd reports."""
+        after = self._units(state, state.ledger.allocations)
+        before = await self._observe(after)
+        held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
+                                if unit.startswith("cpuservice-bound-"))
+        await reconcile.execute(reconcile.plan(before, after, state.ledger.exclusive | held),
+                                self.systemd)
+
+    async def _observe(self, after: Mapping[str, UnitSpec]) -> dict[str, UnitSpec]:
+        """The units systemd holds now: our per-allocation slices (a dead one is stopped, so
+        that it can be started again) and the other units ``after`` names."""
+        before: dict[str, UnitSpec] = {}
+        for unit, active in await self.systemd.list_units(OWN_PATTERNS):
+            if units.name_of_slice(unit) is None:
                 continue
-            have = await self.systemd.get(target.unit, cgroup_iface(target.unit),
-                                          units.CPU_PROPERTIES)
-            if target.own_slice:
-                have.update(await self.systemd.get(target.unit, UNIT_IFACE, ["Description"]))
-            await self.systemd.set_properties(target.unit, units.differs(target.props, have))
+            if active not in ("active", "activating"):
+                await self.systemd.stop(unit)
+                continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
+            before[unit] = UnitSpec(units.observed_props(have), own=True)
+        for unit, spec in after.items():
+            if spec.own:
+                continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            if have:
+                before[unit] = UnitSpec(units.observed_props(have), own=False,
+                                        restore=spec.restore)
+        return before
 
     def _publish(
         self, old: State, new: State, changed: set[str], reasons: Mapping[str, str]

@@ -85,17 +85,21 @@ def shared_props(shared: CPUSet) -> Props:
     return {"AllowedCPUs": ("ay", shared.to_mask())}
 
 
-def differs(want: Props, have: Mapping[str, Any]) -> Props:
-    """The wanted properties whose current values differ (``have`` as systemd reports them)."""
+_SIGNATURES = {"AllowedCPUs": "ay", "AllowedMemoryNodes": "ay", "CPUWeight": "t",
+               "CPUQuotaPerSecUSec": "t", "Description": "s"}
+
+
+def observed_props(values: Mapping[str, Any]) -> Props:
+    """Properties as systemd reports them, in the form they are set (an empty CPU mask is no
+    restriction: left out)."""
     out: Props = {}
-    for name, (sig, value) in want.items():
-        current = have.get(name)
+    for name, value in values.items():
+        sig = _SIGNATURES.get(name)
         if sig == "ay":
-            current = bytes(current or b"")
-            value = CPUSet.from_mask(value).to_mask()
-            current = CPUSet.from_mask(current).to_mask()
-        if current != value:
-            out[name] = (sig, want[name][1])
+            if CPUSet.from_mask(bytes(value)):
+                out[name] = (sig, CPUSet.from_mask(bytes(value)).to_mask())
+        elif sig is not None:
+            out[name] = (sig, value)
     return out
 
 

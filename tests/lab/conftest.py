@@ -83,3 +83,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"VM lab boot {name}: booted in {run.boot_seconds:.0f} s, whole run "
             f"{run.total_seconds:.0f} s; scenarios (s): {times}")
+        if "sysfs" in run.results:  # what the kernel showed half-way through hotplug
+            for line in run.results["sysfs"].output.splitlines():
+                if '"transitions"' in line:
+                    terminalreporter.write_line(f"VM lab kernel hotplug states: {line[7:]}")

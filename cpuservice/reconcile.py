@@ -1,0 +1,237 @@
+"""The reconcile transaction: from the units systemd holds before a change and the units it must
+hold after it, the ordered systemd operations, each with its undo. Pure; ``execute`` runs one
+through a three-method effector and undoes what was done, in reverse, when a step fails.
+
+Every path that changes systemd goes through here: requests, their rollbacks, startup recovery,
+Revalidate and hotplug repair. The ordering rule, stated once:
+
+    At no instant may a CPU that is exclusive (a whole CPU of a bound allocation, before or
+    after the change) be in the AllowedCPUs of two units. So, in this order:
+      1. every unit that loses CPUs shrinks to the CPUs it keeps: the shared pool's holders
+         (the shared slice, confined host units, foreign units that follow the pool) as much
+         as bound units;
+      2. units that are no longer ours are stopped (our slices) or restored (foreign units);
+      3. units that gain CPUs get them, and every other property that changed; new units
+         start. A unit that moves to CPUs another unit still holds waits for that unit.
+    An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
+    a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
+    Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from .cpuset import EMPTY, CPUSet
+
+log = logging.getLogger(__name__)
+
+# name -> (D-Bus signature, value), as systemd's SetUnitProperties takes them
+Props = Mapping[str, tuple[str, Any]]
+CPUS = "AllowedCPUs"
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit as cpuservice wants systemd to hold it. ``own``: a transient slice cpuservice
+    starts and stops; otherwise an existing unit whose properties it only sets, and sets back to
+    ``restore`` when the unit is no longer cpuservice's."""
+
+    props: Props
+    own: bool = True
+    restore: Props = field(default_factory=dict)
+
+    @property
+    def cpus(self) -> CPUSet | None:
+        """The AllowedCPUs this unit is given (None: not set, it inherits its parent's)."""
+        value = self.props.get(CPUS)
+        return None if value is None else CPUSet.from_mask(bytes(value[1]))
+
+
+Units = Mapping[str, UnitSpec]
+
+
+class Kind(StrEnum):
+    START = "start"  # StartTransientUnit with props; undo: stop
+    SET = "set"  # SetUnitProperties props; undo: set undo_props
+    STOP = "stop"  # StopUnit; undo: start again with undo_props
+    RESTORE = "restore"  # SetUnitProperties of a foreign unit's saved values; undo: set undo_props
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: Kind
+    unit: str
+    props: Props = field(default_factory=dict)
+    undo_props: Props = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
+
+
+@dataclass(frozen=True)
+class Transaction:
+    ops: tuple[Op, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+
+def _show(props: Props) -> str:
+    parts = []
+    for name, (sig, value) in props.items():
+        shown = CPUSet.from_mask(bytes(value)).format() if sig == "ay" else value
+        parts.append(f"{name}={shown}")
+    return " ".join(parts)
+
+
+def _mask(cpus: CPUSet) -> tuple[str, bytes]:
+    return ("ay", cpus.to_mask())
+
+
+def _same(sig: str, a: Any, b: Any) -> bool:
+    if sig == "ay":
+        return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b))
+    return bool(a == b)
+
+
+def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
+    out = {}
+    for name, (sig, value) in want.items():
+        current = have.get(name)
+        if current is None or not _same(sig, value, current[1]):
+            out[name] = (sig, value)
+    return out
+
+
+def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
+    """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
+    that are whole CPUs of a bound allocation before or after (the ones the rule protects);
+    units are otherwise allowed to share CPUs (the shared pool, fragment CPUs)."""
+    ops: list[Op] = []
+    holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
+
+    # 1. shrink: every unit kept loses what it does not keep
+    for unit in sorted(before.keys() & after.keys()):
+        was, will = before[unit].cpus, after[unit].cpus
+        if was is None or will is None or was <= will:
+            continue
+        keep = was & will
+        if keep:
+            ops.append(Op(Kind.SET, unit, {CPUS: _mask(keep)}, {CPUS: _mask(was)}))
+            holding[unit] = keep
+
+    # 2. units that are no longer ours
+    for unit in sorted(before.keys() - after.keys()):
+        spec = before[unit]
+        if spec.own:
+            ops.append(Op(Kind.STOP, unit, {}, spec.props))
+        else:
+            current = {k: spec.props[k] for k in spec.restore if k in spec.props}
+            ops.append(Op(Kind.RESTORE, unit, spec.restore, current))
+        holding.pop(unit, None)
+
+    # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
+    # not yet handled still holds waits until that one has moved
+    pending = sorted(after)
+    while pending:
+        ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
+        if not ready:
+            log.error("reconcile: units %s wait for each other's CPUs; applying in name order",
+                      ", ".join(pending))
+            ready = list(pending)
+        for unit in ready:
+            pending.remove(unit)
+            ops.extend(_final(unit, before.get(unit), after[unit]))
+            will = after[unit].cpus
+            if will is None:
+                holding.pop(unit, None)
+            else:
+                holding[unit] = will
+    return Transaction(tuple(ops))
+
+
+def _waits(unit: str, will: CPUSet | None, pending: Sequence[str], holding: Mapping[str, CPUSet],
+           exclusive: CPUSet) -> bool:
+    if will is None or not will & exclusive:
+        return False
+    return any(u != unit and u in holding and holding[u] & will & exclusive for u in pending)
+
+
+def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:
+    if before is None:
+        if after.own:
+            return [Op(Kind.START, unit, after.props)]
+        return [Op(Kind.SET, unit, after.props, after.restore)]
+    if before.own != after.own:
+        stop_or_restore = (Op(Kind.STOP, unit, {}, before.props) if before.own
+                           else Op(Kind.RESTORE, unit, before.restore, before.props))
+        return [stop_or_restore, *_final(unit, None, after)]
+    diff = _differs(after.props, before.props)
+    if not diff:
+        return []
+    undo = {k: before.props[k] for k in diff if k in before.props}
+    return [Op(Kind.SET, unit, diff, undo)]
+
+
+class Effector(Protocol):
+    """The three systemd calls a transaction is made of."""
+
+    async def start_transient(self, unit: str, props: Props) -> None: ...
+
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None: ...
+
+    async def stop(self, unit: str) -> None: ...
+
+
+async def run_op(effector: Effector, op: Op) -> None:
+    if op.kind is Kind.START:
+        await effector.start_transient(op.unit, op.props)
+    elif op.kind is Kind.STOP:
+        await effector.stop(op.unit)
+    elif op.kind is Kind.RESTORE:
+        await effector.set_properties(op.unit, op.props, missing_ok=True)
+    elif op.props:
+        await effector.set_properties(op.unit, op.props)
+
+
+def inverse(op: Op) -> Op | None:
+    if op.kind is Kind.START:
+        return Op(Kind.STOP, op.unit)
+    if op.kind is Kind.STOP:
+        return Op(Kind.START, op.unit, op.undo_props) if op.undo_props else None
+    return Op(Kind.SET, op.unit, op.undo_props) if op.undo_props else None
+
+
+class Failed(Exception):
+    """A step failed; the steps done before it were undone (``clean``) or some undo failed."""
+
+    def __init__(self, cause: Exception, step: Op, clean: bool) -> None:
+        super().__init__(str(cause))
+        self.cause, self.step, self.clean = cause, step, clean
+
+
+async def execute(tx: Transaction, effector: Effector) -> None:
+    """Run the operations in order; when one fails, undo the ones done, newest first, and raise
+    Failed. (A crash, BaseException, leaves what was done: startup reconciles it.)"""
+    done: list[Op] = []
+    for op in tx.ops:
+        try:
+            await run_op(effector, op)
+        except Exception as exc:
+            log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
+            clean = True
+            for earlier in reversed(done):
+                undo = inverse(earlier)
+                try:
+                    if undo is not None:
+                        await run_op(effector, undo)
+                except Exception as again:
+                    log.error("undo of '%s' failed: %s", earlier, again)
+                    clean = False
+            raise Failed(exc, op, clean) from exc
+        done.append(op)

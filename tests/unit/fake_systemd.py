@@ -1,0 +1,194 @@
+"""An in-memory systemd for unit tests of the service: units with their properties and states,
+jobs, UnitRemoved/UnitNew/PropertiesChanged callbacks, failure injection, and a timeline of every
+unit's AllowedCPUs after each call, with a checker for the reconcile ordering rule."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpuservice.cpuset import CPUSet
+from cpuservice.errors import SystemdFailure
+
+NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
+CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
+
+
+class Crash(BaseException):
+    """The daemon dies here (kill -9): nothing after this call runs, no undo."""
+
+
+@dataclass
+class Unit:
+    name: str
+    props: dict[str, Any] = field(default_factory=dict)
+    active: str = "active"
+    transient: bool = False
+    pids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Write:
+    """One mutating call: member, unit, properties as set."""
+
+    member: str
+    unit: str
+    props: Mapping[str, Any]
+
+
+class FakeSystemd:
+    """The surface cpuservice.service uses of cpuservice.systemd.Systemd."""
+
+    def __init__(self, units: Iterable[str] = ("cpuservice-shared.slice", *CONFINED)) -> None:
+        self.units: dict[str, Unit] = {u: Unit(u) for u in units}
+        self.writes: list[Write] = []
+        self.timeline: list[dict[str, CPUSet]] = [self.snapshot()]
+        self.calls = 0  # mutating calls so far
+        self.fail: Callable[[int, str, str], Exception | None] = lambda n, member, unit: None
+        self.on_unit_removed: Callable[[str], None] = lambda unit: None
+        self.on_unit_new: Callable[[str], None] = lambda unit: None
+        self.on_unit_state: Callable[[str, str], None] = lambda path, state: None
+        self.watched: set[str] = set()
+
+    # ---- failure injection ----
+
+    def fail_at(self, n: int, error: BaseException | None = None) -> None:
+        """Make the n-th mutating call from now (1-based) raise ``error`` (default: systemd
+        refuses it); a Crash stops the caller as kill -9 would."""
+        target = self.calls + n
+
+        def fail(call: int, member: str, unit: str) -> Exception | None:
+            if call == target:
+                raise error or SystemdFailure(f"systemd refused {member}: injected failure")
+            return None
+
+        self.fail = fail
+
+    def _mutating(self, member: str, unit: str, props: Mapping[str, Any]) -> None:
+        self.calls += 1
+        self.fail(self.calls, member, unit)
+        self.writes.append(Write(member, unit, {k: v for k, (_, v) in props.items()}))
+
+    # ---- timeline ----
+
+    def snapshot(self) -> dict[str, CPUSet]:
+        out = {}
+        for u in self.units.values():
+            mask = u.props.get("AllowedCPUs")
+            if u.active in ("active", "activating") and mask and CPUSet.from_mask(bytes(mask)):
+                out[u.name] = CPUSet.from_mask(bytes(mask))
+        return out
+
+    def _record(self) -> None:
+        self.timeline.append(self.snapshot())
+
+    def mark(self) -> tuple[int, int]:
+        """Indexes into the timeline and the writes, to check what happens after them."""
+        return len(self.timeline) - 1, len(self.writes)
+
+    def cpus(self, unit: str) -> CPUSet:
+        mask = self.units[unit].props.get("AllowedCPUs", b"")
+        return CPUSet.from_mask(bytes(mask))
+
+    # ---- the Systemd surface ----
+
+    @staticmethod
+    def path(unit: str) -> str:
+        return "/org/freedesktop/systemd1/unit/" + "".join(
+            c if c.isalnum() else f"_{ord(c):02x}" for c in unit)
+
+    async def start_transient(self, unit: str, props: Mapping[str, tuple[str, Any]]) -> None:
+        self._mutating("StartTransientUnit", unit, props)
+        if unit in self.units:
+            raise SystemdFailure(f"systemd refused StartTransientUnit: "
+                                 f"org.freedesktop.systemd1.UnitExists: {unit} exists")
+        pids = [int(p) for p in props.get("PIDs", ("au", []))[1]]
+        self.units[unit] = Unit(unit, {k: v for k, (_, v) in props.items() if k != "PIDs"},
+                                transient=True, pids=pids)
+        self._record()
+        self.on_unit_new(unit)
+
+    async def set_properties(self, unit: str, props: Mapping[str, tuple[str, Any]],
+                             missing_ok: bool = False) -> None:
+        if not props:
+            return
+        self._mutating("SetUnitProperties", unit, props)
+        if unit not in self.units:
+            if missing_ok:
+                return
+            raise SystemdFailure(f"systemd refused SetUnitProperties: {NO_SUCH_UNIT}: "
+                                 f"unit {unit} not loaded")
+        for name, (_, value) in props.items():
+            self.units[unit].props[name] = value
+        self._record()
+
+    async def stop(self, unit: str) -> None:
+        self._mutating("StopUnit", unit, {})
+        if unit not in self.units:
+            return
+        removed = self.units.pop(unit)
+        self._record()
+        if self.path(unit) in self.watched:
+            self.on_unit_state(self.path(unit), "inactive")
+        if removed.transient:
+            self.on_unit_removed(unit)
+
+    async def unit_path(self, unit: str) -> str | None:
+        return self.path(unit) if unit in self.units else None
+
+    async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]:
+        if unit not in self.units:
+            return {}
+        u = self.units[unit]
+        values: dict[str, Any] = {"AllowedCPUs": b"", "AllowedMemoryNodes": b"",
+                                  "CPUWeight": 2**64 - 1, "CPUQuotaPerSecUSec": 2**64 - 1,
+                                  "Description": unit, "ActiveState": u.active}
+        values.update(u.props)
+        return {k: values[k] for k in names if k in values}
+
+    async def list_units(self, patterns: Sequence[str]) -> list[tuple[str, str]]:
+        return [(u.name, u.active) for u in self.units.values()
+                if any(fnmatch.fnmatchcase(u.name, p) for p in patterns)]
+
+    async def processes(self, unit: str) -> list[int]:
+        prefix = unit[:-len(".slice")] + "-" if unit.endswith(".slice") else None
+        return [p for u in self.units.values() for p in u.pids
+                if u.name == unit or u.props.get("Slice") == unit
+                or (prefix and u.name.startswith(prefix))]
+
+    async def watch_unit(self, path: str) -> None:
+        self.watched.add(path)
+
+    async def unwatch_unit(self, path: str) -> None:
+        self.watched.discard(path)
+
+    # ---- what a test does to the units ----
+
+    def kill_processes(self, unit: str) -> None:
+        """The processes of a unit (and of the scopes in it) end; scopes go away."""
+        for u in list(self.units.values()):
+            if u.name == unit or u.props.get("Slice") == unit:
+                u.pids.clear()
+                if u.name.endswith(".scope"):
+                    del self.units[u.name]
+                    self.on_unit_removed(u.name)
+
+
+def violations(timeline: Sequence[Mapping[str, CPUSet]], exclusive: CPUSet) -> list[str]:
+    """Instants at which a CPU of ``exclusive`` is in the AllowedCPUs of two units."""
+    found = []
+    for i, units in enumerate(timeline):
+        for cpu in exclusive:
+            holders = sorted(u for u, cpus in units.items() if cpu in cpus)
+            if len(holders) > 1:
+                found.append(f"instant {i}: cpu {cpu} in {', '.join(holders)}")
+    return found
+
+
+def empty_writes(writes: Sequence[Write], foreign: Iterable[str] = ()) -> list[Write]:
+    """Writes of an empty AllowedCPUs to a unit that is not a restored foreign unit."""
+    exempt = set(foreign)
+    return [w for w in writes if "AllowedCPUs" in w.props and w.unit not in exempt
+            and not CPUSet.from_mask(bytes(w.props["AllowedCPUs"]))]

@@ -1,0 +1,268 @@
+"""The service's own code (use cases, reconcile, checkpoint, recovery) against the in-memory
+systemd of tests.unit.fake_systemd, as an unprivileged user: every method, a failure injected at
+every step, a crash at every step, and random sequences of all of these."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpuservice import config as config_mod
+from cpuservice.checkpoint import Store
+from cpuservice.cpuset import CPUSet
+from cpuservice.errors import CPUServiceError, SystemdFailure
+from cpuservice.fixtures import MACHINES, write_sysfs
+from cpuservice.pools import check_invariants
+from cpuservice.service import Service
+from tests.unit.fake_systemd import Crash, FakeSystemd, Unit, empty_writes, violations
+
+BIND = {"bind": True}
+
+
+class Host:
+    """A machine: a sysfs tree, a state directory and a fake systemd that outlive services."""
+
+    def __init__(self, tmp: Path, machine: str = "b", **settings: Any) -> None:
+        self.machine = machine
+        self.root = write_sysfs(tmp / "sys", machine)
+        self.cfg = config_mod.validate({"sysfs_root": str(self.root),
+                                        "state_file": str(tmp / "state" / "state.json"),
+                                        **settings})
+        self.fake = FakeSystemd()
+        self.foreign: set[str] = set()
+
+    async def service(self) -> Service:
+        svc = Service(self.cfg, self.fake, Store(self.cfg.state_file))  # type: ignore[arg-type]
+        await svc.start()
+        return svc
+
+    def offline(self, cpus: set[int]) -> None:
+        write_sysfs(self.root, replace(MACHINES[self.machine], offline=frozenset(cpus)))
+
+
+def run(body: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(body())
+
+
+def agree(svc: Service, fake: FakeSystemd) -> None:
+    """systemd holds exactly what the service's state says, and the state is consistent."""
+    check_invariants(svc.ledger)
+    want = svc._units(svc.state, svc.ledger.allocations)
+    for unit, spec in want.items():
+        assert unit in fake.units, f"{unit} missing"
+        have = fake.units[unit].props
+        for name, (sig, value) in spec.props.items():
+            if sig == "ay":
+                assert CPUSet.from_mask(bytes(have.get(name, b""))) == CPUSet.from_mask(
+                    bytes(value)), (unit, name)
+            else:
+                assert have.get(name) == value, (unit, name, have.get(name), value)
+    ours = {u for u in fake.units if u.startswith(("cpuservice-bound-", "cpuservice-shared-"))}
+    assert ours <= want.keys(), f"leftover units {sorted(ours - want.keys())}"
+    exclusive = svc.ledger.exclusive
+    assert not violations([fake.snapshot()], exclusive)
+
+
+def check_window(fake: FakeSystemd, mark: tuple[int, int], exclusive: CPUSet,
+                 foreign: set[str] | None = None) -> None:
+    """Since ``mark``: no instant broke the ordering rule, no empty AllowedCPUs was written."""
+    assert violations(fake.timeline[mark[0]:], exclusive) == []
+    assert empty_writes(fake.writes[mark[1]:], foreign or set()) == []
+
+
+def test_every_method(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        fake = host.fake
+        mark = fake.mark()
+        await svc.allocate("u1", "1", {}, 1000)
+        await svc.allocate("b1", "2", BIND, 1000)
+        await svc.allocate("f1", "1.2", BIND, 0)
+        agree(svc, fake)
+        assert fake.cpus("cpuservice-bound-b1.slice") == svc.ledger.allocations["b1"].held
+        assert fake.cpus("cpuservice-shared.slice") == svc.ledger.shared
+        assert "cpuservice-shared-u1.slice" in fake.units
+        assert svc.plan("1", BIND).cpus <= svc.ledger.shared
+        assert svc.capacity("1", BIND) == len(svc.ledger.shared) - 1
+        await svc.resize("b1", "4")
+        assert len(fake.cpus("cpuservice-bound-b1.slice")) == 4
+        await svc.resize("b1", "1")
+        agree(svc, fake)
+        scope = await svc.attach("b1", [4242])
+        assert fake.units[scope].props["Slice"] == "cpuservice-bound-b1.slice"
+        await svc.release("b1")
+        await svc.release("u1")
+        assert "cpuservice-bound-b1.slice" not in fake.units
+        await svc.revalidate()
+        agree(svc, fake)
+        check_window(fake, mark, CPUSet.parse("0-15"))
+        with pytest.raises(CPUServiceError):
+            await svc.allocate("f1", "1", {}, 0)
+    run(body)
+
+
+def test_unit_option_restores_the_foreign_unit(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        host.fake.units["app.service"] = Unit("app.service", {"CPUWeight": 300})
+        svc = await host.service()
+        await svc.allocate("app", "2", {"bind": True, "unit": "app.service"}, 0)
+        assert len(host.fake.cpus("app.service")) == 2
+        await svc.release("app")
+        assert host.fake.units["app.service"].props["CPUWeight"] == 300
+        assert not host.fake.cpus("app.service")
+    run(body)
+
+
+async def _setup(svc: Service) -> None:
+    await svc.allocate("keep", "2", BIND, 0)
+    await svc.allocate("frag", "0.5", BIND, 0)
+    await svc.allocate("u", "1", {}, 0)
+
+
+OPERATIONS: dict[str, Callable[[Service, Host], Awaitable[Any]]] = {
+    "allocate": lambda svc, host: svc.allocate("new", "3", BIND, 0),
+    "allocate-fraction": lambda svc, host: svc.allocate("new", "1.3", BIND, 0),
+    "release": lambda svc, host: svc.release("keep"),
+    "resize-up": lambda svc, host: svc.resize("keep", "5"),
+    "resize-down": lambda svc, host: svc.resize("keep", "1"),
+    "repair": lambda svc, host: (host.offline(set(svc.ledger.allocations["keep"].whole)),
+                                 svc.revalidate(full=False))[1],
+    "revalidate": lambda svc, host: svc.revalidate(),  # after drift(): systemd was changed
+}
+
+
+def drift(host: Host) -> None:
+    """Someone else changed our units behind the service's back (Revalidate repairs it)."""
+    units = host.fake.units
+    units["cpuservice-shared.slice"].props["AllowedCPUs"] = CPUSet.parse("0-15").to_mask()
+    del units["cpuservice-bound-keep.slice"]
+    host.fake.timeline.append(host.fake.snapshot())
+
+
+def _dry_run(tmp: Path, op: str) -> tuple[int, CPUSet]:
+    """How many systemd calls the operation makes when nothing fails, and the CPUs that are
+    exclusive before or after it (the ones the ordering rule protects)."""
+    async def body() -> tuple[int, CPUSet]:
+        host = Host(tmp)
+        svc = await host.service()
+        await _setup(svc)
+        if op == "revalidate":
+            drift(host)
+        before, exclusive = host.fake.calls, svc.ledger.exclusive
+        await OPERATIONS[op](svc, host)
+        return host.fake.calls - before, exclusive | svc.ledger.exclusive
+    return asyncio.run(body())
+
+
+@pytest.mark.parametrize("op", sorted(OPERATIONS))
+def test_a_failure_at_every_step_changes_nothing(tmp_path: Path, op: str) -> None:
+    steps, exclusive = _dry_run(tmp_path / "count", op)
+    assert steps > 0
+    for n in range(1, steps + 1):
+        async def body(n: int = n) -> None:
+            host = Host(tmp_path / f"fail{n}")
+            svc = await host.service()
+            await _setup(svc)
+            if op == "revalidate":
+                drift(host)
+            before_state = svc.state
+            snapshot = {u: dict(unit.props) for u, unit in host.fake.units.items()}
+            mark = host.fake.mark()
+            host.fake.fail_at(n)
+            if op in ("repair", "revalidate"):  # not requests: the next event or Revalidate repairs
+                with pytest.raises(SystemdFailure):
+                    await OPERATIONS[op](svc, host)
+                agree(svc, host.fake)
+                host.fake.fail_at(10**6)
+                await svc.revalidate()
+                agree(svc, host.fake)
+                return
+            with pytest.raises(SystemdFailure):
+                await OPERATIONS[op](svc, host)
+            assert svc.state == before_state
+            agree(svc, host.fake)
+            assert {u: dict(unit.props) for u, unit in host.fake.units.items()} == snapshot, n
+            check_window(host.fake, mark, exclusive)
+            again = await Host.service(host)  # the checkpoint says the same
+            assert again.ledger.allocations == before_state.ledger.allocations
+        run(body)
+
+
+@pytest.mark.parametrize("op", sorted(OPERATIONS))
+def test_a_crash_at_every_step_recovers(tmp_path: Path, op: str) -> None:
+    steps, exclusive = _dry_run(tmp_path / "count", op)
+    for n in range(1, steps + 1):
+        async def body(n: int = n) -> None:
+            host = Host(tmp_path / f"crash{n}")
+            svc = await host.service()
+            await _setup(svc)
+            if op == "revalidate":
+                drift(host)
+            mark = host.fake.mark()
+            host.fake.fail_at(n, Crash())
+            with pytest.raises(Crash):
+                await OPERATIONS[op](svc, host)
+            host.fake.fail_at(10**6)
+            restarted = await host.service()
+            agree(restarted, host.fake)
+            check_window(host.fake, mark, exclusive)
+        run(body)
+
+
+ACTIONS = st.one_of(
+    st.tuples(st.just("allocate"), st.sampled_from("abcd"),
+              st.sampled_from(["1", "2", "0.5", "1.5", "3"]), st.booleans()),
+    st.tuples(st.just("release"), st.sampled_from("abcd")),
+    st.tuples(st.just("resize"), st.sampled_from("abcd"), st.sampled_from(["1", "2", "4"])),
+    st.tuples(st.just("offline"), st.sets(st.integers(1, 15), max_size=4)),
+    st.tuples(st.just("fail"), st.integers(1, 4)),
+    st.tuples(st.just("crash"), st.integers(1, 4)),
+)
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(actions=st.lists(ACTIONS, min_size=1, max_size=14))
+def test_random_requests_hotplug_failures_and_crashes(tmp_path_factory: Any,
+                                                      actions: list[tuple[Any, ...]]) -> None:
+    tmp = tmp_path_factory.mktemp("random")
+
+    async def body() -> None:
+        host = Host(tmp)
+        svc = await host.service()
+        for action in actions:
+            mark = host.fake.mark()
+            exclusive = svc.ledger.exclusive
+            kind = action[0]
+            if kind in ("fail", "crash"):
+                host.fake.fail_at(action[1], Crash() if kind == "crash" else None)
+                continue
+            try:
+                if kind == "allocate":
+                    await svc.allocate(action[1], action[2], {"bind": action[3]}, 0)
+                elif kind == "release":
+                    await svc.release(action[1])
+                elif kind == "resize":
+                    await svc.resize(action[1], action[2])
+                else:
+                    host.offline(action[1])
+                    await svc.revalidate(full=False)
+            except CPUServiceError:
+                pass
+            except Crash:
+                host.fake.fail_at(10**6)
+                svc = await host.service()
+            host.fake.fail_at(10**6)
+            exclusive = exclusive | svc.ledger.exclusive
+            check_window(host.fake, mark, exclusive)
+            agree(svc, host.fake)
+    run(body)
