@@ -17,11 +17,27 @@ from . import __version__, config
 from .authz import Authority
 from .bus_api import BUS_NAME, Manager, capture_sender
 from .checkpoint import Store
+from .engine import Engine, SystemdAPI
 from .hotplug import CPUMonitor, Debouncer
+from .lifetime import Lifetime
 from .service import Service
 from .systemd import Systemd
+from .topology import discover
 
 log = logging.getLogger("cpuserviced")
+
+
+def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store) -> Service:
+    """Wire the service's parts together: the engine (state, checkpoint, reconcile), the
+    lifetime=unit watcher on systemd's signals, and the use cases."""
+    engine = Engine(cfg, systemd, store, discover(cfg.sysfs_root))
+    lifetime = Lifetime(engine)
+    service = Service(engine, lifetime)
+    lifetime.release = service.release
+    systemd.on_unit_removed = lifetime.on_unit_removed
+    systemd.on_unit_new = lifetime.on_unit_new
+    systemd.on_unit_state = lifetime.on_unit_state
+    return service
 
 
 async def serve(cfg: config.Config) -> int:
@@ -30,7 +46,7 @@ async def serve(cfg: config.Config) -> int:
     ).connect()
     systemd = Systemd(bus)
     await systemd.setup()
-    service = Service(cfg, systemd, Store(cfg.state_file))
+    service = assemble(cfg, systemd, Store(cfg.state_file))
     manager = Manager(service, bus, Authority(bus))
     bus.add_message_handler(capture_sender)
     await service.start()

@@ -12,10 +12,14 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
+from .checkpoint import Record
 from .cpuset import CPUSet
 from .placement import Placement
+from .pools import Allocation, Fragment
+from .request import Request, parse_options
 
 ROOT = "cpuservice.slice"
 SHARED = "cpuservice-shared.slice"
@@ -103,10 +107,48 @@ def observed_props(values: Mapping[str, Any]) -> Props:
     return out
 
 
+# ---- the Description codec: an allocation's own slice records it, so that it can be rebuilt
+# when the checkpoint is lost ----
+
+
 def describe(name: str, fields: Mapping[str, str]) -> str:
     """A unit Description that also records the allocation (read back by parse_description)."""
     details = " ".join(f"{k}={v}" for k, v in fields.items())
     return f"cpuservice allocation {name} ({details})"
+
+
+def description_fields(a: Allocation, record: Record) -> dict[str, str]:
+    opts = a.request.options
+    fields = {
+        "cpus": str(a.request.cpus), "bind": str(opts.bind).lower(), "policy": opts.policy,
+        "exclusive": opts.exclusive, "numa-strategy": opts.numa_strategy,
+        "numa-alignment": opts.numa_alignment, "memory-nodes": str(opts.memory_nodes).lower(),
+        "lifetime": opts.lifetime, "owner": str(record.owner),
+        "whole": a.whole.format() or "-",
+    }
+    if a.request.cpuset is not None:
+        fields["cpuset"] = a.request.cpuset.format()
+    if a.fragment:
+        fields["fragment"] = f"{a.fragment.cpu}:{a.fragment.pieces}"
+    return fields
+
+
+def from_description(fields: Mapping[str, str], unit: str) -> tuple[Allocation, Record]:
+    """The allocation a Description recorded (KeyError, ValueError or CPUServiceError when it
+    does not hold one)."""
+    name = fields["name"]
+    options: dict[str, Any] = {k: fields[k] for k in
+                               ("policy", "exclusive", "numa-strategy", "numa-alignment",
+                                "lifetime", "cpuset") if k in fields}
+    options["bind"] = fields["bind"] == "true"
+    options["memory-nodes"] = fields["memory-nodes"] == "true"
+    request = Request.build(Decimal(fields["cpus"]), parse_options(options))
+    fragment = None
+    if "fragment" in fields:
+        cpu, pieces = fields["fragment"].split(":")
+        fragment = Fragment(int(cpu), int(pieces))
+    whole = CPUSet.parse("" if fields["whole"] == "-" else fields["whole"])
+    return Allocation(name, request, whole, fragment), Record(int(fields["owner"]), unit)
 
 
 def parse_description(text: str) -> dict[str, str] | None:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from cpuservice import config as config_mod
 from cpuservice.checkpoint import Store
 from cpuservice.cpuset import CPUSet
+from cpuservice.daemon import assemble
 from cpuservice.errors import CPUServiceError, SystemdFailure
 from cpuservice.fixtures import MACHINES, write_sysfs
 from cpuservice.pools import check_invariants
@@ -39,7 +40,7 @@ class Host:
         self.foreign: set[str] = set()
 
     async def service(self) -> Service:
-        svc = Service(self.cfg, self.fake, Store(self.cfg.state_file))  # type: ignore[arg-type]
+        svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file))
         await svc.start()
         return svc
 
@@ -54,7 +55,7 @@ def run(body: Callable[[], Awaitable[None]]) -> None:
 def agree(svc: Service, fake: FakeSystemd) -> None:
     """systemd holds exactly what the service's state says, and the state is consistent."""
     check_invariants(svc.ledger)
-    want = svc._units(svc.state, svc.ledger.allocations)
+    want = svc.engine.specs(svc.state, svc.ledger.allocations)
     for unit, spec in want.items():
         assert unit in fake.units, f"{unit} missing"
         have = fake.units[unit].props
@@ -265,4 +266,45 @@ def test_random_requests_hotplug_failures_and_crashes(tmp_path_factory: Any,
             exclusive = exclusive | svc.ledger.exclusive
             check_window(host.fake, mark, exclusive)
             agree(svc, host.fake)
+    run(body)
+
+
+def test_lifetime_unit_ends_with_its_slice_or_its_unit(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("job", "1", {"bind": True, "lifetime": "unit"}, 0)
+        await svc.attach("job", [4242])
+        assert svc.record("job").populated
+        host.fake.kill_processes("cpuservice-bound-job.slice")  # its scope goes: UnitRemoved
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+        assert "job" not in svc.ledger.allocations
+        assert "cpuservice-bound-job.slice" not in host.fake.units
+        host.fake.units["app.service"] = Unit("app.service")
+        await svc.allocate("app", "1", {"bind": True, "unit": "app.service",
+                                        "lifetime": "unit"}, 0)
+        await host.fake.stop("app.service")  # ActiveState inactive, watched
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+        assert "app" not in svc.ledger.allocations
+        agree(svc, host.fake)
+    run(body)
+
+
+def test_corrupt_checkpoint_is_rebuilt_from_the_units(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("b", "2", BIND, 1000)
+        await svc.allocate("f", "1.5", BIND, 0)
+        await svc.allocate("u", "1", {}, 0)
+        before = svc.ledger.allocations
+        Path(host.cfg.state_file).write_text("garbage\n")
+        mark = host.fake.mark()
+        again = await host.service()
+        assert again.ledger.allocations == before
+        assert again.record("b").owner == 1000
+        assert host.fake.writes[mark[1]:] == []  # nothing running was touched
+        assert list(Path(host.cfg.state_file).parent.glob("state.json.corrupt-*"))
     run(body)

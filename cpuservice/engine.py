@@ -1,0 +1,191 @@
+"""The state and the one way it changes: plan (pure) -> checkpoint -> reconcile transaction ->
+events. Every use case, startup recovery, Revalidate and hotplug repair commits through here.
+
+systemd is reached only through the small protocol declared below (the real adapter is
+cpuservice.systemd.Systemd; unit tests use an in-memory fake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from . import reconcile, units
+from .checkpoint import State, Store
+from .config import Config
+from .cpuset import CPUSet
+from .errors import CPUServiceError, SystemdFailure
+from .pools import Ledger, check_invariants
+from .reconcile import Props, UnitSpec
+from .targets import Targets
+from .topology import Topology
+
+log = logging.getLogger(__name__)
+OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice")
+UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+_TYPE_IFACE = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket": "Socket",
+               "mount": "Mount", "swap": "Swap"}
+
+
+def cgroup_iface(unit: str) -> str:
+    return f"org.freedesktop.systemd1.{_TYPE_IFACE[unit.rsplit('.', 1)[1]]}"
+
+
+class SystemdAPI(Protocol):
+    """What cpuservice asks of systemd."""
+
+    on_unit_removed: Callable[[str], None]
+    on_unit_new: Callable[[str], None]
+    on_unit_state: Callable[[str, str], None]
+
+    async def start_transient(self, unit: str, props: Props) -> None: ...
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None: ...
+    async def stop(self, unit: str) -> None: ...
+    async def unit_path(self, unit: str) -> str | None: ...
+    async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]: ...
+    async def list_units(self, patterns: Sequence[str]) -> list[tuple[str, str]]: ...
+    async def processes(self, unit: str) -> list[int]: ...
+    async def watch_unit(self, unit_path: str) -> None: ...
+    async def unwatch_unit(self, unit_path: str) -> None: ...
+
+
+class Events(Protocol):
+    """What the bus layer is told after each committed change."""
+
+    def pools_changed(self, ledger: Ledger) -> None: ...
+    def allocation_added(self, name: str) -> None: ...
+    def allocation_removed(self, name: str) -> None: ...
+    def allocation_changed(self, name: str, reason: str) -> None: ...
+
+
+class NoEvents:
+    def pools_changed(self, ledger: Ledger) -> None:
+        pass
+
+    def allocation_added(self, name: str) -> None:
+        pass
+
+    def allocation_removed(self, name: str) -> None:
+        pass
+
+    def allocation_changed(self, name: str, reason: str) -> None:
+        pass
+
+
+def empty_ledger(config: Config, topology: Topology) -> Ledger:
+    return Ledger(topology.online, config.reserved, topology.isolated & topology.online,
+                  config.granularity, config.min_shared_cpus)
+
+
+class Engine:
+    def __init__(self, config: Config, systemd: SystemdAPI, store: Store,
+                 topology: Topology) -> None:
+        self.config = config
+        self.systemd = systemd
+        self.store = store
+        self.topology = topology
+        self.state = State(empty_ledger(config, topology), {})
+        self.targets = Targets(config.confine_host)
+        self.events: Events = NoEvents()
+        self.lock = asyncio.Lock()
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    async def commit(
+        self,
+        new: State,
+        touched: set[str] | None,
+        reasons: Mapping[str, str] | None = None,
+        sync: bool = False,
+        checkpoint_first: bool = True,
+    ) -> None:
+        """Checkpoint, apply to systemd, publish; on failure put both back and raise.
+        ``touched``: the allocations the change is about (None: look at all of them);
+        ``sync``: from what systemd reports rather than from the current state."""
+        check_invariants(new.ledger)
+        old = self.state
+        changed = self.targets.changed(old, new, touched)
+        if checkpoint_first:
+            self.store.save(new, changed)
+        try:
+            if sync:
+                await self.sync(new)
+            else:
+                tx = reconcile.plan(self.specs(old, changed), self.specs(new, changed),
+                                    old.ledger.exclusive | new.ledger.exclusive)
+                await reconcile.execute(tx, self.systemd)
+            if not checkpoint_first:
+                self.store.save(new, changed)
+        except Exception as exc:
+            log.error("applying a change failed, rolling back: %s", exc)
+            if sync or not (isinstance(exc, reconcile.Failed) and exc.clean):
+                try:
+                    await self.sync(old)
+                except Exception as again:
+                    log.error("rollback incomplete: %s", again)
+            self.store.save(old, changed)
+            cause = exc.cause if isinstance(exc, reconcile.Failed) else exc
+            if isinstance(cause, CPUServiceError):
+                raise cause from None
+            raise SystemdFailure(f"systemd failed: {cause}") from None
+        self.state = new
+        self._publish(old, new, changed, reasons or {})
+
+    def specs(self, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
+        return self.targets.specs(self.topology, state, names)
+
+    async def sync(self, state: State) -> None:
+        """Make systemd match ``state`` whatever it holds now (startup, Revalidate, a rollback
+        that could not be undone): the same transaction, from what systemd reports."""
+        after = self.specs(state, state.ledger.allocations)
+        before = await self.observe(after)
+        held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
+                                if unit.startswith("cpuservice-bound-"))
+        await reconcile.execute(reconcile.plan(before, after, state.ledger.exclusive | held),
+                                self.systemd)
+
+    async def observe(self, after: Mapping[str, UnitSpec]) -> dict[str, UnitSpec]:
+        """The units systemd holds now: our per-allocation slices (a dead one is stopped, so
+        that it can be started again) and the other units ``after`` names."""
+        before: dict[str, UnitSpec] = {}
+        for unit, active in await self.systemd.list_units(OWN_PATTERNS):
+            if units.name_of_slice(unit) is None:
+                continue
+            if active not in ("active", "activating"):
+                await self.systemd.stop(unit)
+                continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
+            before[unit] = UnitSpec(units.observed_props(have), own=True)
+        for unit, spec in after.items():
+            if spec.own:
+                continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            if have:
+                before[unit] = UnitSpec(units.observed_props(have), own=False,
+                                        restore=spec.restore)
+        return before
+
+    def _publish(
+        self, old: State, new: State, changed: set[str], reasons: Mapping[str, str]
+    ) -> None:
+        """Signals for what changed. An unbound allocation's CPUSet is the shared pool: its
+        changes are announced once, by PoolsChanged, not once per allocation."""
+        before, after = old.ledger.allocations, new.ledger.allocations
+        for name in sorted(changed | reasons.keys()):
+            if name not in after:
+                self.targets.forget(name)
+                self.events.allocation_removed(name)
+            elif name not in before:
+                self.events.allocation_added(name)
+            elif before[name] is not after[name] or name in reasons or (
+                new.records.get(name) is not old.records.get(name)
+            ):
+                self.events.allocation_changed(name, reasons.get(name, "changed"))
+        pools = ("shared", "exclusive", "fragment", "online", "isolated")
+        if any(getattr(old.ledger, p) != getattr(new.ledger, p) for p in pools):
+            self.events.pools_changed(new.ledger)

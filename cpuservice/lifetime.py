@@ -1,0 +1,104 @@
+"""``lifetime=unit``: an allocation ends with its unit (a foreign unit that stopped or failed),
+or, for its own slice, when the slice has had processes and has none left. Driven by systemd's
+signals only; a burst of them leads to one check."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+from .checkpoint import Record, State
+from .engine import UNIT_IFACE, Engine, SystemdAPI
+from .errors import CPUServiceError
+from .targets import own_slice
+
+log = logging.getLogger(__name__)
+SETTLE_SECONDS = 0.05
+
+
+async def ended(systemd: SystemdAPI, record: Record) -> bool:
+    """Whether the unit of a lifetime=unit allocation has ended."""
+    if own_slice(record):
+        if (await systemd.unit_path(record.unit)) is None:
+            return True
+        return record.populated and not await systemd.processes(record.unit)
+    state = await systemd.get(record.unit, UNIT_IFACE, ["ActiveState"])
+    return state.get("ActiveState", "inactive") in ("inactive", "failed")
+
+
+class Lifetime:
+    """Watches the units of lifetime=unit allocations; ``release`` ends an allocation."""
+
+    def __init__(self, engine: Engine,
+                 release: Callable[[str, str], Awaitable[None]] | None = None) -> None:
+        self.engine = engine
+        self.release = release
+        self._watched: dict[str, str] = {}  # unit object path -> allocation name
+        self._task: asyncio.Task[None] | None = None
+
+    async def watch(self, name: str, unit: str) -> None:
+        """Follow a foreign unit's ActiveState (own slices are followed through UnitRemoved)."""
+        path = await self.engine.systemd.unit_path(unit)
+        if path is not None:
+            self._watched[path] = name
+            await self.engine.systemd.watch_unit(path)
+
+    async def watch_all(self) -> None:
+        for name, record in self.engine.state.records.items():
+            a = self.engine.ledger.allocations[name]
+            if a.request.options.lifetime == "unit" and not own_slice(record):
+                await self.watch(name, record.unit)
+
+    async def unwatch(self, name: str) -> None:
+        for path, watched in list(self._watched.items()):
+            if watched == name:
+                del self._watched[path]
+                await self.engine.systemd.unwatch_unit(path)
+
+    # ---- systemd's signals ----
+
+    def on_unit_state(self, path: str, state: str) -> None:
+        if path in self._watched and state in ("inactive", "failed"):
+            self.schedule()
+
+    def on_unit_removed(self, unit: str) -> None:
+        if any(a.request.options.lifetime == "unit"
+               for a in self.engine.ledger.allocations.values()):
+            self.schedule()
+
+    def on_unit_new(self, unit: str) -> None:
+        records = self.engine.state.records
+        if unit.endswith((".scope", ".service")) and any(
+            a.request.options.lifetime == "unit" and not records[n].populated
+            for n, a in self.engine.ledger.allocations.items() if n in records
+        ):
+            self.schedule()
+
+    def schedule(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self.check())
+
+    async def check(self) -> None:
+        """Release lifetime=unit allocations whose unit ended; mark slices that got members."""
+        await asyncio.sleep(SETTLE_SECONDS)  # let a burst of unit signals settle
+        engine = self.engine
+        try:
+            for name, a in list(engine.ledger.allocations.items()):
+                if a.request.options.lifetime != "unit" or name not in engine.ledger.allocations:
+                    continue
+                record = engine.state.records.get(name, Record())
+                if await ended(engine.systemd, record):
+                    if self.release is not None:
+                        await self.release(name, "its unit ended")
+                elif not record.populated and own_slice(record) and (
+                    await engine.systemd.processes(record.unit)
+                ):
+                    async with engine.lock:
+                        if name in engine.state.records:
+                            records = {**engine.state.records,
+                                       name: replace(engine.state.records[name], populated=True)}
+                            await engine.commit(State(engine.ledger, records), {name})
+        except CPUServiceError as exc:
+            log.error("lifetime check failed: %s", exc)

@@ -1,0 +1,83 @@
+"""What systemd must hold for a state: one UnitSpec per unit, for the shared pool's holders and
+for each allocation. Pure; memoized by identity (an unchanged allocation keeps its Allocation and
+Record objects), so a change costs what it touches, not what exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from . import placement, units
+from .checkpoint import Record, State
+from .cpuset import CPUSet
+from .pools import Allocation
+from .reconcile import UnitSpec
+from .topology import Topology
+
+
+def own_slice(record: Record) -> bool:
+    """Whether the allocation has its own slice (foreign units never start with cpuservice)."""
+    return record.unit.startswith("cpuservice-")
+
+
+def follows_shared(a: Allocation, own: bool) -> bool:
+    """Whether an allocation's unit properties change with the shared pool."""
+    if a.bound:
+        return not a.held  # degraded to nothing: it runs on the shared pool
+    return a.request.options.memory_nodes or not own
+
+
+class Targets:
+    def __init__(self, confine_host: bool) -> None:
+        self.shared_units = (units.SHARED, *(units.CONFINED if confine_host else ()))
+        self._cache: dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]] = {}
+        self._followers: set[str] = set()  # allocations whose unit follows the shared pool
+
+    def specs(self, topology: Topology, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
+        """The shared pool's holders and the named allocations' units."""
+        out = {u: UnitSpec(units.shared_props(state.ledger.shared), own=False)
+               for u in self.shared_units}
+        for name in names:
+            if name in state.ledger.allocations:
+                record = state.records.get(name, Record())
+                out[record.unit] = self.spec(topology, state, name)
+        return out
+
+    def spec(self, topology: Topology, state: State, name: str) -> UnitSpec:
+        a = state.ledger.allocations[name]
+        record = state.records.get(name, Record())
+        own = own_slice(record)
+        follows = follows_shared(a, own)
+        shared = state.ledger.shared if follows else None
+        hit = self._cache.get(name)
+        if hit is not None and hit[0] is a and hit[1] is record and hit[2] == shared:
+            return hit[3]
+        p = placement.describe(topology, state.ledger, a)
+        props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
+        if own:
+            props["Description"] = ("s", units.describe(name, units.description_fields(a, record)))
+        spec = UnitSpec(props, own, {} if own else record.saved)
+        self._cache[name] = (a, record, shared, spec)
+        if follows:
+            self._followers.add(name)
+        else:
+            self._followers.discard(name)
+        return spec
+
+    def changed(self, old: State, new: State, touched: set[str] | None) -> set[str]:
+        """Allocations whose units may differ between two states (``touched``: the ones the
+        change is about; None: compare them all)."""
+        if touched is None:
+            names = {
+                n for n in old.ledger.allocations.keys() | new.ledger.allocations.keys()
+                if old.ledger.allocations.get(n) is not new.ledger.allocations.get(n)
+                or old.records.get(n) is not new.records.get(n)
+            }
+        else:
+            names = set(touched)
+        if old.ledger.shared != new.ledger.shared:
+            names |= self._followers & new.ledger.allocations.keys()
+        return names
+
+    def forget(self, name: str) -> None:
+        self._cache.pop(name, None)
+        self._followers.discard(name)
