@@ -9,17 +9,16 @@ import contextvars
 import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import __version__, dbuscall
+from . import __version__, dbuscall, views
 from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, process_uid
 from .errors import CPUServiceError, InvalidArgument, NoSuchAllocation
-from .pools import Ledger
 from .service import Service
 from .units import NO_QUOTA
 
@@ -77,34 +76,36 @@ def _options(options: dict[str, Variant]) -> dict[str, Any]:
     return {k: v.value for k, v in options.items()}
 
 
+ALLOCATION_SIGNATURES = {
+    "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
+    "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
+    "State": "s", "Lifetime": "s",
+}
+
+
+class Bus(MessageBus):
+    """dbus-fast sends InterfacesAdded/InterfacesRemoved itself on export/unexport, from the
+    object's own path; the D-Bus specification has them come from the ObjectManager's path
+    (/org/cpuservice1). The Manager sends them, with the values it is handed."""
+
+    def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
+        pass
+
+    def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
+        pass
+
+
 class Allocation(ServiceInterface):
     def __init__(self, manager: "Manager", name: str) -> None:
         super().__init__("org.cpuservice1.Allocation")
         self.manager = manager
         self.service = manager.service
         self.allocation = name
-        self._cache: tuple[tuple[Any, ...], dict[str, Any]] | None = None
 
     def values(self) -> dict[str, Any]:
-        """All properties (computed once per change of the allocation or of its pool)."""
-        a = self.service.allocation(self.allocation)
-        record = self.service.record(self.allocation)
-        key = (a, record, None if a.held else self.service.ledger.shared)
-        if self._cache is not None and all(x is y for x, y in zip(self._cache[0], key,
-                                                                    strict=True)):
-            return self._cache[1]
-        p = self.service.placement_of(self.allocation)
-        values = {
-            "Name": self.allocation, "CPUs": str(a.request.cpus), "Bound": a.bound,
-            "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
-            "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
-            "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
-            "Unit": record.unit, "Owner": record.owner,
-            "State": "degraded" if a.degraded else "active",
-            "Lifetime": a.request.options.lifetime,
-        }
-        self._cache = (key, values)
-        return values
+        """All properties, from the service's current state (no copy is kept here)."""
+        service = self.service
+        return views.allocation(service.topology, service.state, self.allocation)
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":
@@ -170,7 +171,6 @@ class Manager(ServiceInterface):
         self.bus = bus
         self.authority = authority
         self.objects: dict[str, Allocation] = {}
-        self._last: dict[str, dict[str, Any]] = {}
         self._uids: OrderedDict[str, int] = OrderedDict()
         service.events = self
 
@@ -183,7 +183,6 @@ class Manager(ServiceInterface):
         obj = Allocation(self, name)
         self.objects[name] = obj
         self.bus.export(path_of(name), obj)
-        self._last[name] = obj.values()
         return obj
 
     async def authorize(self, action: str) -> int:
@@ -220,33 +219,35 @@ class Manager(ServiceInterface):
 
     # ---- Events ----
 
-    def pools_changed(self, ledger: Ledger) -> None:
-        self.PoolsChanged(ledger.shared.format(), ledger.exclusive.format(),
-                          ledger.fragment.format())
-        self.emit_properties_changed({"SharedCPUs": ledger.shared.format(),
-                                      "ExclusiveCPUs": ledger.exclusive.format(),
-                                      "FragmentCPUs": ledger.fragment.format(),
-                                      "OnlineCPUs": ledger.online.format()})
-
-    def allocation_added(self, name: str) -> None:
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
         self._export(name)
         self.AllocationAdded(name, path_of(name))
+        body = {k: Variant(ALLOCATION_SIGNATURES[k], v) for k, v in values.items()}
+        self._object_manager("InterfacesAdded", "oa{sa{sv}}",
+                             [path_of(name), {"org.cpuservice1.Allocation": body}])
 
     def allocation_removed(self, name: str) -> None:
         self.objects.pop(name, None)
-        self._last.pop(name, None)
         self.bus.unexport(path_of(name))
         self.AllocationRemoved(name, path_of(name))
+        self._object_manager("InterfacesRemoved", "oas",
+                             [path_of(name), ["org.cpuservice1.Allocation"]])
 
-    def allocation_changed(self, name: str, reason: str) -> None:
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
         obj = self.objects.get(name) or self._export(name)
-        now = obj.values()
-        before = self._last.get(name, {})
-        changed = {k: v for k, v in now.items() if before.get(k) != v}
-        self._last[name] = now
         if changed:
-            obj.emit_properties_changed(changed)
+            obj.emit_properties_changed(dict(changed))
         self.AllocationChanged(name, path_of(name), reason)
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        self.PoolsChanged(shared, exclusive, fragment)
+
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
+        self.emit_properties_changed(dict(changed), list(invalidated))
+
+    def _object_manager(self, member: str, signature: str, body: list[Any]) -> None:
+        self.bus.send(Message.new_signal(PATH, "org.freedesktop.DBus.ObjectManager", member,
+                                         signature, body))
 
     # ---- methods ----
 

@@ -11,11 +11,10 @@ import sys
 from collections.abc import Sequence
 
 from dbus_fast import BusType, RequestNameReply
-from dbus_fast.aio import MessageBus
 
 from . import __version__, config
 from .authz import Authority
-from .bus_api import BUS_NAME, Manager, capture_sender
+from .bus_api import BUS_NAME, Bus, Manager, capture_sender
 from .checkpoint import Store
 from .engine import Engine, SystemdAPI
 from .hotplug import CPUMonitor, Debouncer
@@ -41,7 +40,7 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store) -> Service:
 
 
 async def serve(cfg: config.Config) -> int:
-    bus = await MessageBus(
+    bus = await Bus(
         bus_address=os.environ.get("CPUSERVICE_BUS_ADDRESS"), bus_type=BusType.SYSTEM
     ).connect()
     systemd = Systemd(bus)

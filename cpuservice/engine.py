@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from . import reconcile, units
+from . import reconcile, units, views
 from .checkpoint import State, Store
 from .config import Config
 from .cpuset import CPUSet
@@ -52,25 +52,29 @@ class SystemdAPI(Protocol):
 
 
 class Events(Protocol):
-    """What the bus layer is told after each committed change."""
+    """What the bus layer is told after each committed change, with the values to publish."""
 
-    def pools_changed(self, ledger: Ledger) -> None: ...
-    def allocation_added(self, name: str) -> None: ...
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None: ...
     def allocation_removed(self, name: str) -> None: ...
-    def allocation_changed(self, name: str, reason: str) -> None: ...
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None: ...
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None: ...
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None: ...
 
 
 class NoEvents:
-    def pools_changed(self, ledger: Ledger) -> None:
-        pass
-
-    def allocation_added(self, name: str) -> None:
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
         pass
 
     def allocation_removed(self, name: str) -> None:
         pass
 
-    def allocation_changed(self, name: str, reason: str) -> None:
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
+        pass
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        pass
+
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
         pass
 
 
@@ -102,26 +106,31 @@ class Engine:
         reasons: Mapping[str, str] | None = None,
         sync: bool = False,
         checkpoint_first: bool = True,
+        topology: Topology | None = None,
     ) -> None:
         """Checkpoint, apply to systemd, publish; on failure put both back and raise.
         ``touched``: the allocations the change is about (None: look at all of them);
-        ``sync``: from what systemd reports rather than from the current state."""
+        ``sync``: from what systemd reports rather than from the current state; ``topology``:
+        the machine as it is now, when it changed (hotplug, Revalidate)."""
         check_invariants(new.ledger)
-        old = self.state
+        old, old_topology = self.state, self.topology
         changed = self.targets.changed(old, new, touched)
         if checkpoint_first:
             self.store.save(new, changed)
         try:
+            before = self.specs(old, changed)
+            self.topology = topology or old_topology
             if sync:
                 await self.sync(new)
             else:
-                tx = reconcile.plan(self.specs(old, changed), self.specs(new, changed),
+                tx = reconcile.plan(before, self.specs(new, changed),
                                     old.ledger.exclusive | new.ledger.exclusive)
                 await reconcile.execute(tx, self.systemd)
             if not checkpoint_first:
                 self.store.save(new, changed)
         except Exception as exc:
             log.error("applying a change failed, rolling back: %s", exc)
+            self.topology = old_topology
             if sync or not (isinstance(exc, reconcile.Failed) and exc.clean):
                 try:
                     await self.sync(old)
@@ -132,8 +141,11 @@ class Engine:
             if isinstance(cause, CPUServiceError):
                 raise cause from None
             raise SystemdFailure(f"systemd failed: {cause}") from None
+        except BaseException:
+            self.topology = old_topology
+            raise
         self.state = new
-        self._publish(old, new, changed, reasons or {})
+        self._publish(old, new, changed, reasons or {}, old_topology)
 
     def specs(self, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
         return self.targets.specs(self.topology, state, names)
@@ -170,22 +182,28 @@ class Engine:
                                         restore=spec.restore)
         return before
 
-    def _publish(
-        self, old: State, new: State, changed: set[str], reasons: Mapping[str, str]
-    ) -> None:
-        """Signals for what changed. An unbound allocation's CPUSet is the shared pool: its
-        changes are announced once, by PoolsChanged, not once per allocation."""
+    def _publish(self, old: State, new: State, changed: set[str], reasons: Mapping[str, str],
+                 old_topology: Topology) -> None:
+        """Events, with their values, for what changed. An unbound allocation's CPUSet is the
+        shared pool: it is announced once, by SharedCPUs and PoolsChanged, not per allocation."""
         before, after = old.ledger.allocations, new.ledger.allocations
         for name in sorted(changed | reasons.keys()):
             if name not in after:
                 self.targets.forget(name)
                 self.events.allocation_removed(name)
             elif name not in before:
-                self.events.allocation_added(name)
+                self.events.allocation_added(name, views.allocation(self.topology, new, name))
             elif before[name] is not after[name] or name in reasons or (
                 new.records.get(name) is not old.records.get(name)
             ):
-                self.events.allocation_changed(name, reasons.get(name, "changed"))
-        pools = ("shared", "exclusive", "fragment", "online", "isolated")
-        if any(getattr(old.ledger, p) != getattr(new.ledger, p) for p in pools):
-            self.events.pools_changed(new.ledger)
+                diff = views.changed(views.allocation(old_topology, old, name),
+                                     views.allocation(self.topology, new, name))
+                self.events.allocation_changed(name, reasons.get(name, "changed"), diff)
+        was, now = old.ledger, new.ledger
+        if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):
+            self.events.pools_changed(now.shared.format(), now.exclusive.format(),
+                                      now.fragment.format())
+        manager = views.changed(views.manager(was), views.manager(now))
+        invalidated = ["Topology"] if self.topology != old_topology else []
+        if manager or invalidated:
+            self.events.manager_changed(manager, invalidated)

@@ -173,15 +173,10 @@ class Service:
             reasons = {c.name: c.reason for c in changes}
             if topology == old_topology and not reasons and not full:
                 return
-            self.engine.topology = topology
-            try:
-                # Not a caller's request: systemd first, then the checkpoint, which a restart
-                # would repair the same way from the old one.
-                await self.engine.commit(State(ledger, self.state.records), None, reasons,
-                                         sync=full, checkpoint_first=full)
-            except BaseException:
-                self.engine.topology = old_topology
-                raise
+            # Not a caller's request: systemd first, then the checkpoint, which a restart
+            # would repair the same way from the old one.
+            await self.engine.commit(State(ledger, self.state.records), None, reasons,
+                                     sync=full, checkpoint_first=full, topology=topology)
             log.info("%s: online %s; %s (%.0f ms)", "revalidate" if full else "CPU hotplug",
                      topology.online, reasons or "nothing to repair",
                      (time.monotonic() - began) * 1000)

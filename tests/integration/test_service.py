@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from typing import Any
 
 import pytest
 
+from cpuservice import dbuscall
 from cpuservice.cpuset import CPUSet
 from tests.integration import client
 from tests.integration.service_env import DEST, ServiceHost, eventually
@@ -128,6 +130,36 @@ def test_signals(daemon: ServiceHost) -> None:
     pools = [b for m, _, b in seen if m == "PoolsChanged"]
     assert pools[-1] == ["0-7", "", ""] and len(pools) == 3
     assert any(m == "PropertiesChanged" and p.endswith("/b1") for m, p, _ in seen)
+    # the ObjectManager's signals come from /org/cpuservice1, with the allocation's values
+    added = [(p, b) for m, p, b in seen if m == "InterfacesAdded"]
+    assert [b[0] for _, b in added] == ["/org/cpuservice1/allocation/s1",
+                                        "/org/cpuservice1/allocation/b1"]
+    assert {p for p, _ in added} == {"/org/cpuservice1"}
+    b1 = added[1][1][1]["org.cpuservice1.Allocation"]
+    assert b1["CPUs"].value == "2" and b1["Bound"].value is True
+    removed = [(p, b) for m, p, b in seen if m == "InterfacesRemoved"]
+    assert removed == [("/org/cpuservice1", ["/org/cpuservice1/allocation/b1",
+                                             ["org.cpuservice1.Allocation"]])]
+
+
+def test_get_managed_objects_lists_every_allocation(daemon: ServiceHost) -> None:
+    daemon.allocate("m1", "1")
+    daemon.allocate("m2", "2", bind=True)
+
+    async def managed() -> dict[str, Any]:
+        bus = await client.connect(daemon.c.bus_address)
+        try:
+            (objects,) = await dbuscall.call(bus, DEST[0], DEST[1],
+                                             "org.freedesktop.DBus.ObjectManager",
+                                             "GetManagedObjects", "", [])
+            return dict(objects)
+        finally:
+            bus.disconnect()
+
+    objects = asyncio.run(managed())
+    assert set(objects) == {"/org/cpuservice1/allocation/m1", "/org/cpuservice1/allocation/m2"}
+    m2 = objects["/org/cpuservice1/allocation/m2"]["org.cpuservice1.Allocation"]
+    assert m2["CPUs"].value == "2" and m2["Bound"].value is True
 
 
 def client_variant(sig: str, value: object) -> object:

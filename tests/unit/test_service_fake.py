@@ -27,6 +27,52 @@ from tests.unit.fake_systemd import Crash, FakeSystemd, Unit, empty_writes, viol
 BIND = {"bind": True}
 
 
+XML = Path(__file__).parents[2] / "dbus/org.cpuservice1.xml"
+
+
+def emits_changed() -> dict[tuple[str, str], str]:
+    """(interface, property) -> its EmitsChangedSignal annotation in the shipped XML."""
+    import xml.etree.ElementTree as ET
+    out = {}
+    for iface in ET.parse(XML).iter("interface"):
+        for prop in iface.iter("property"):
+            for ann in prop.iter("annotation"):
+                if ann.get("name") == "org.freedesktop.DBus.Property.EmitsChangedSignal":
+                    out[(iface.get("name", ""), prop.get("name", ""))] = ann.get("value", "")
+    return out
+
+
+class Recorder:
+    """An Events sink that keeps what it is told, and checks it against the annotations."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, Any]] = []
+        self.annotations = emits_changed()
+
+    def _announces(self, iface: str, names: Any, allowed: tuple[str, ...]) -> None:
+        for name in names:
+            assert self.annotations[(f"org.cpuservice1.{iface}", name)] in allowed, name
+
+    def allocation_added(self, name: str, values: Any) -> None:
+        assert set(values) == {p for i, p in self.annotations if i.endswith("Allocation")}
+        self.seen.append(("added", name))
+
+    def allocation_removed(self, name: str) -> None:
+        self.seen.append(("removed", name))
+
+    def allocation_changed(self, name: str, reason: str, changed: Any) -> None:
+        self._announces("Allocation", changed, ("true", "false"))
+        self.seen.append(("changed", (name, dict(changed))))
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        self.seen.append(("pools", shared))
+
+    def manager_changed(self, changed: Any, invalidated: Any) -> None:
+        self._announces("Manager", changed, ("true",))
+        self._announces("Manager", invalidated, ("invalidates",))
+        self.seen.append(("manager", (dict(changed), list(invalidated))))
+
+
 class Host:
     """A machine: a sysfs tree, a state directory and a fake systemd that outlive services."""
 
@@ -41,6 +87,7 @@ class Host:
 
     async def service(self) -> Service:
         svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file))
+        svc.events = self.events = Recorder()
         await svc.start()
         return svc
 
@@ -307,4 +354,24 @@ def test_corrupt_checkpoint_is_rebuilt_from_the_units(tmp_path: Path) -> None:
         assert again.record("b").owner == 1000
         assert host.fake.writes[mark[1]:] == []  # nothing running was touched
         assert list(Path(host.cfg.state_file).parent.glob("state.json.corrupt-*"))
+    run(body)
+
+
+def test_every_change_is_announced_with_its_values(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("b", "2", BIND, 0)
+        assert ("added", "b") in host.events.seen
+        await svc.resize("b", "3")
+        changed = [v for k, v in host.events.seen if k == "changed"]
+        assert changed[-1][1]["CPUs"] == "3" and len(changed[-1][1]["CPUSet"].split(",")) >= 1
+        host.events.seen.clear()
+        host.offline({15})
+        await svc.revalidate(full=False)
+        manager = [v for k, v in host.events.seen if k == "manager"]
+        assert manager and manager[-1][0]["OnlineCPUs"] == "0-14"
+        assert manager[-1][1] == ["Topology"]
+        await svc.release("b")
+        assert host.events.seen[-3:][0] == ("removed", "b")
     run(body)
