@@ -3,12 +3,16 @@
 Prints, last:
     allocate_bound_p50_us <float> floor_p50_us <float> ratio <float>
     shared_update_ratio n=1000 <float>
-    idle_cpu_percent allocations=1000 <float> rss_mb <float>
+    checkpoint_scale allocations=3000 ratio <float>
+    systemd_shared_slice_set_us children=0 <float> children=3000 <float>
+    idle_cpu_percent allocations=3000 <float> rss_mb <float>
 
 floor = StartTransientUnit of an equivalent slice (until its job is done) + one
 SetUnitProperties, measured by the same client on the same bus, interleaved with the Allocate
 calls. shared_update_ratio = bound Allocate latency with 1,000 unbound allocations present /
-with none.
+with none; checkpoint_scale the same with 3,000. systemd_shared_slice_set_us: what systemd alone
+takes to set cpuservice-shared.slice's AllowedCPUs (to the value it has) with no unbound
+allocation and with 3,000 of them below it (systemd walks the slice's subtree).
 """
 
 from __future__ import annotations
@@ -66,10 +70,28 @@ async def measure(address: str, rounds: int, floor: bool) -> tuple[float, float]
     return statistics.median(allocs) * 1e6, statistics.median(floors or [0]) * 1e6
 
 
-async def populate(address: str, n: int) -> None:
+async def shared_slice_set(address: str, rounds: int = 40) -> float:
+    bus = await client.connect(address)
+    systemd = Systemd(bus)
+    unit = "cpuservice-shared.slice"
+    try:
+        have = await systemd.get(unit, "org.freedesktop.systemd1.Slice", ["AllowedCPUs"])
+        if not have:
+            raise RuntimeError(f"{unit} is not loaded")
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            await systemd.set_properties(unit, {"AllowedCPUs": ("ay", bytes(have["AllowedCPUs"]))})
+            times.append(time.perf_counter() - start)
+    finally:
+        bus.disconnect()
+    return statistics.median(times) * 1e6
+
+
+async def populate(address: str, start: int, n: int) -> None:
     bus = await client.connect(address)
     try:
-        for i in range(n):
+        for i in range(start, n):
             await client.call(bus, "Allocate", "ssa{sv}", [f"u{i}", "0.5", {}])
     finally:
         bus.disconnect()
@@ -87,8 +109,12 @@ def main() -> int:
         address = container.bus_address
         asyncio.run(measure(address, 20, True))  # warm-up
         alloc_us, floor_us = asyncio.run(measure(address, ROUNDS, True))
-        asyncio.run(populate(address, 1000))
+        empty_set_us = asyncio.run(shared_slice_set(address))
+        asyncio.run(populate(address, 0, 1000))
         crowded_us, _ = asyncio.run(measure(address, ROUNDS // 2, False))
+        asyncio.run(populate(address, 1000, 3000))
+        scale_us, _ = asyncio.run(measure(address, ROUNDS // 2, False))
+        crowded_set_us = asyncio.run(shared_slice_set(address))
         pid = int(daemon.show("cpuservice.service", "MainPID")["MainPID"])
         proc = Path(f"/proc/{container.pid1}/root")
         time.sleep(2)
@@ -102,7 +128,10 @@ def main() -> int:
     print(f"allocate_bound_p50_us {alloc_us:.1f} floor_p50_us {floor_us:.1f} "
           f"ratio {alloc_us / floor_us:.2f}")
     print(f"shared_update_ratio n=1000 {crowded_us / alloc_us:.2f}")
-    print(f"idle_cpu_percent allocations=1000 {idle:.2f} rss_mb {rss_kb / 1024:.1f}")
+    print(f"checkpoint_scale allocations=3000 ratio {scale_us / alloc_us:.2f}")
+    print(f"systemd_shared_slice_set_us children=0 {empty_set_us:.1f} "
+          f"children=3000 {crowded_set_us:.1f}")
+    print(f"idle_cpu_percent allocations=3000 {idle:.2f} rss_mb {rss_kb / 1024:.1f}")
     return 0
 
 

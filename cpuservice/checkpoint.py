@@ -1,10 +1,11 @@
-"""The durable checkpoint: the ledger and per-allocation records as versioned, checksummed JSON,
-written atomically (temp file, fsync, rename, fsync the directory)."""
+"""The durable checkpoint: the ledger and per-allocation records as versioned, checksummed JSON:
+a snapshot written atomically and a journal of the changes since (see Store)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -22,10 +23,17 @@ from .request import Request, parse_options
 
 VERSION = 1
 FORMAT = "cpuservice-checkpoint"
+log = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
     """The checkpoint is unreadable, from another version, or fails its checksum."""
+
+
+class CheckpointWriteError(CPUServiceError):
+    """The state could not be written (disk full, I/O error, read-only): nothing changed."""
+
+    dbus_name = "org.cpuservice1.Error.CheckpointFailed"
 
 
 @dataclass(frozen=True)
@@ -93,46 +101,114 @@ def _checksum(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def _fsync_dir(path: Path) -> None:
+    directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 class Store:
-    """The checkpoint file: a header line (format, version, checksum of the rest), then the
-    payload as one line of JSON. Rows of unchanged allocations are serialized once and reused."""
+    """The checkpoint: a snapshot file and a journal beside it.
+
+    The snapshot (``state.json``) is a header line (format, version, checksum of the rest) and the
+    payload as one line of JSON, written atomically (temp file, fsync, rename, fsync of the
+    directory). Each later change appends one line to the journal (``state.json.journal``): a
+    checksum and the JSON of the rows it puts and the names it deletes, then fsync; so a change
+    costs what it touches, not what exists. When the journal outgrows the snapshot, a new
+    snapshot takes it in and the journal is emptied (replaying it again would change nothing).
+    A last line without its newline (a write that never returned) is ignored on load; any other
+    damage is a CheckpointError (and the state is rebuilt from the units). A failed write leaves the files and this object as they were and raises
+    CheckpointWriteError."""
+
+    JOURNAL_MIN_BYTES = 64 * 1024
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._rows: dict[str, str] = {}  # allocation name -> its JSON row
-
-    def _payload_text(self, state: State, touched: set[str] | None) -> str:
-        allocations, records = state.ledger.allocations, state.records
-        if touched is None or len(self._rows) + sum(
-            (n in allocations) - (n in self._rows) for n in touched
-        ) != len(allocations):
-            touched = set(allocations) | set(self._rows)
-        for name in touched:
-            if name in allocations:
-                row = _row(name, allocations[name], records.get(name, Record()))
-                self._rows[name] = json.dumps(row, sort_keys=True, separators=(",", ":"))
-            else:
-                self._rows.pop(name, None)
-        rows = ",".join(self._rows.values())
-        return f'{{"allocations":[{rows}],"granularity":{state.ledger.granularity}}}'
+        self.journal = self.path.with_name(f"{self.path.name}.journal")
+        self._rows: dict[str, str] = {}  # allocation name -> its JSON row, as on disk
+        self._granularity: int | None = None
+        self._snapshot_bytes = 0
+        self._journal_bytes: int | None = None  # None: not known to match the snapshot
 
     def save(self, state: State, touched: set[str] | None = None) -> None:
         """Write ``state``; ``touched`` names the allocations changed since the last save (the
-        others' rows are reused), None for all."""
-        payload = self._payload_text(state, touched)
-        header = json.dumps({"format": FORMAT, "version": VERSION, "checksum": _checksum(payload)})
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temp = self.path.with_name(f".{self.path.name}.tmp")
-        with open(temp, "w") as f:
-            f.write(f"{header}\n{payload}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, self.path)
-        directory = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        others are as written before), None to write everything anew."""
+        allocations, records = state.ledger.allocations, state.records
+        granularity = state.ledger.granularity
+        if touched is not None and self._journal_bytes is not None:
+            names = {n for n in touched if n in allocations or n in self._rows}
+            rows = dict(self._rows)
+            for name in names:
+                if name in allocations:
+                    rows[name] = _dump(_row(name, allocations[name], records.get(name, Record())))
+                else:
+                    rows.pop(name, None)
+            if rows.keys() == allocations.keys():
+                if not names and granularity == self._granularity:
+                    return
+                if self._journal_bytes < max(self.JOURNAL_MIN_BYTES, self._snapshot_bytes):
+                    self._append(names, rows, granularity)
+                    return
+                self._snapshot(rows, granularity)
+                return
+        rows = {n: _dump(_row(n, a, records.get(n, Record()))) for n, a in allocations.items()}
+        self._snapshot(rows, granularity)
+
+    def _append(self, names: set[str], rows: dict[str, str], granularity: int) -> None:
+        put = ",".join(rows[n] for n in sorted(names) if n in rows)
+        deleted = json.dumps(sorted(n for n in names if n not in rows))
+        body = f'{{"put":[{put}],"del":{deleted},"granularity":{granularity}}}'
+        line = f"{_checksum(body)} {body}\n".encode()
+        len_before = self._journal_bytes
+        assert len_before is not None
         try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+            fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, line)
+                os.fsync(fd)
+            except OSError:
+                self._journal_bytes = None  # the next change writes a snapshot
+                os.ftruncate(fd, len_before)  # as it was: no torn line left behind
+                raise
+            finally:
+                os.close(fd)
+            if len_before == 0:
+                _fsync_dir(self.path.parent)
+        except OSError as exc:
+            raise CheckpointWriteError(f"cannot write {self.journal}: {exc.strerror}") from None
+        self._rows, self._granularity = rows, granularity
+        self._journal_bytes = len_before + len(line)
+
+    def _snapshot(self, rows: dict[str, str], granularity: int) -> None:
+        payload = f'{{"allocations":[{",".join(rows.values())}],"granularity":{granularity}}}'
+        header = json.dumps({"format": FORMAT, "version": VERSION, "checksum": _checksum(payload)})
+        temp = self.path.with_name(f".{self.path.name}.tmp")
+        text = f"{header}\n{payload}\n".encode()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(temp, "wb") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(temp, self.path)
+            _fsync_dir(self.path.parent)
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            raise CheckpointWriteError(f"cannot write {self.path}: {exc.strerror}") from None
+        self._rows, self._granularity, self._snapshot_bytes = rows, granularity, len(text)
+        self._journal_bytes = None
+        try:  # the snapshot holds everything: the journal may go (replaying it is harmless)
+            with open(self.journal, "r+b") as f:
+                f.truncate(0)
+                os.fsync(f.fileno())
+            self._journal_bytes = 0
+        except FileNotFoundError:
+            self._journal_bytes = 0
+        except OSError as exc:
+            log.warning("cannot empty %s (%s): the next change writes a snapshot",
+                        self.journal, exc.strerror)
 
     def load(self) -> dict[str, Any] | None:
         """The payload, None when there is no checkpoint; CheckpointError when it is bad."""
@@ -154,13 +230,53 @@ class Store:
         if checksum != _checksum(payload_text):
             raise CheckpointError(f"{self.path}: checksum mismatch")
         try:
-            payload = json.loads(payload_text)
-        except ValueError as exc:
+            payload = dict(json.loads(payload_text))
+            rows = {row["name"]: row for row in payload["allocations"]}
+        except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{self.path}: unreadable payload: {exc}") from None
-        return dict(payload)
+        granularity = payload.get("granularity")
+        for change in self._journal_lines():
+            for row in change["put"]:
+                rows[row["name"]] = row
+            for name in change["del"]:
+                rows.pop(name, None)
+            granularity = change["granularity"]
+        payload["allocations"], payload["granularity"] = list(rows.values()), granularity
+        return payload
+
+    def _journal_lines(self) -> list[dict[str, Any]]:
+        try:
+            data = self.journal.read_bytes()
+        except FileNotFoundError:
+            return []
+        *complete, tail = data.split(b"\n")
+        if tail:
+            log.warning("%s: ignoring a torn last line (no newline)", self.journal)
+        out = []
+        for i, raw in enumerate(complete):
+            checksum, _, body = raw.decode(errors="replace").partition(" ")
+            try:
+                if checksum != _checksum(body):
+                    raise ValueError("checksum mismatch")
+                change = json.loads(body)
+                if not isinstance(change.get("put"), list) or not isinstance(
+                        change.get("del"), list) or not isinstance(change.get("granularity"), int):
+                    raise ValueError("not a change")
+            except ValueError as exc:
+                raise CheckpointError(f"{self.journal}: line {i + 1}: {exc}") from None
+            out.append(change)
+        return out
 
     def set_aside(self) -> Path:
-        """Rename a bad checkpoint out of the way; returns its new path."""
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+        """Rename a bad checkpoint (and its journal) out of the way; returns its new path."""
+        stamp = int(time.time())
+        aside = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
         os.replace(self.path, aside)
+        if self.journal.exists():
+            os.replace(self.journal, self.journal.with_name(f"{self.journal.name}.corrupt-{stamp}"))
+        self._journal_bytes = None
         return aside
+
+
+def _dump(row: dict[str, Any]) -> str:
+    return json.dumps(row, sort_keys=True, separators=(",", ":"))

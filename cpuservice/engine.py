@@ -136,7 +136,10 @@ class Engine:
                     await self.sync(old)
                 except Exception as again:
                     log.error("rollback incomplete: %s", again)
-            self.store.save(old, changed)
+            try:
+                self.store.save(old, changed)
+            except CPUServiceError as again:
+                log.error("cannot write the state back: %s", again)
             cause = exc.cause if isinstance(exc, reconcile.Failed) else exc
             if isinstance(cause, CPUServiceError):
                 raise cause from None

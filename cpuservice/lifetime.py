@@ -36,7 +36,12 @@ class Lifetime:
         self.engine = engine
         self.release = release
         self._watched: dict[str, str] = {}  # unit object path -> allocation name
+        self._tracked: set[str] = set()  # the lifetime=unit allocations
         self._task: asyncio.Task[None] | None = None
+
+    def track(self, name: str) -> None:
+        """A lifetime=unit allocation to follow (its own slice through systemd's signals)."""
+        self._tracked.add(name)
 
     async def watch(self, name: str, unit: str) -> None:
         """Follow a foreign unit's ActiveState (own slices are followed through UnitRemoved)."""
@@ -48,10 +53,13 @@ class Lifetime:
     async def watch_all(self) -> None:
         for name, record in self.engine.state.records.items():
             a = self.engine.ledger.allocations[name]
-            if a.request.options.lifetime == "unit" and not own_slice(record):
-                await self.watch(name, record.unit)
+            if a.request.options.lifetime == "unit":
+                self.track(name)
+                if not own_slice(record):
+                    await self.watch(name, record.unit)
 
     async def unwatch(self, name: str) -> None:
+        self._tracked.discard(name)
         for path, watched in list(self._watched.items()):
             if watched == name:
                 del self._watched[path]
@@ -64,16 +72,11 @@ class Lifetime:
             self.schedule()
 
     def on_unit_removed(self, unit: str) -> None:
-        if any(a.request.options.lifetime == "unit"
-               for a in self.engine.ledger.allocations.values()):
+        if self._tracked:
             self.schedule()
 
     def on_unit_new(self, unit: str) -> None:
-        records = self.engine.state.records
-        if unit.endswith((".scope", ".service")) and any(
-            a.request.options.lifetime == "unit" and not records[n].populated
-            for n, a in self.engine.ledger.allocations.items() if n in records
-        ):
+        if unit.endswith((".scope", ".service")) and self._tracked:
             self.schedule()
 
     def schedule(self) -> None:
@@ -85,8 +88,9 @@ class Lifetime:
         await asyncio.sleep(SETTLE_SECONDS)  # let a burst of unit signals settle
         engine = self.engine
         try:
-            for name, a in list(engine.ledger.allocations.items()):
-                if a.request.options.lifetime != "unit" or name not in engine.ledger.allocations:
+            for name in sorted(self._tracked):
+                if name not in engine.ledger.allocations:
+                    self._tracked.discard(name)
                     continue
                 record = engine.state.records.get(name, Record())
                 if await ended(engine.systemd, record):

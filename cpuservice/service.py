@@ -98,8 +98,10 @@ class Service:
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
             record = Record(owner, unit, saved)
             await self.engine.commit(State(ledger, {**self.state.records, name: record}), {name})
-            if request.options.lifetime == "unit" and not own_slice(record):
-                await self.lifetime.watch(name, unit)
+            if request.options.lifetime == "unit":
+                self.lifetime.track(name)
+                if not own_slice(record):
+                    await self.lifetime.watch(name, unit)
             return allocation
 
     async def _target_unit(self, name: str, request: Request) -> tuple[str, units.Props]:
@@ -120,7 +122,8 @@ class Service:
         async with self.lock:
             self.allocation(name)
             ledger = placement.release(self.ledger, name)
-            records = {k: v for k, v in self.state.records.items() if k != name}
+            records = dict(self.state.records)
+            records.pop(name, None)
             await self.engine.commit(State(ledger, records), {name})
             await self.lifetime.unwatch(name)
             log.info("allocation %s released (%s)", name, reason)

@@ -144,9 +144,10 @@ class ServiceHost:
         return values
 
     def state_file(self) -> dict[str, Any]:
-        """The checkpoint's payload (the line after the header)."""
-        payload: dict[str, Any] = json.loads(self.state_path().read_text().split("\n")[1])
-        return payload
+        """The checkpoint's payload (snapshot and journal), as the daemon would load it."""
+        from cpuservice.checkpoint import Store
+
+        return Store(self.state_path()).load() or {}
 
     def state_path(self) -> Path:
         return self.c.root / STATE.lstrip("/")

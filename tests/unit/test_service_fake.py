@@ -375,3 +375,31 @@ def test_every_change_is_announced_with_its_values(tmp_path: Path) -> None:
         await svc.release("b")
         assert host.events.seen[-3:][0] == ("removed", "b")
     run(body)
+
+
+def test_a_full_disk_is_a_named_error_and_changes_nothing(tmp_path: Path, monkeypatch) -> None:
+    import errno
+    import os
+
+    from cpuservice import checkpoint
+
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("a", "2", BIND, 0)
+        before, writes = svc.state, len(host.fake.writes)
+
+        def full(fd: int, data: bytes) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(checkpoint.os, "write", full)
+        with pytest.raises(checkpoint.CheckpointWriteError) as caught:
+            await svc.allocate("b", "2", BIND, 0)
+        assert caught.value.dbus_name == "org.cpuservice1.Error.CheckpointFailed"
+        assert svc.state is before and len(host.fake.writes) == writes
+        monkeypatch.setattr(checkpoint.os, "write", os.write)
+        await svc.allocate("c", "2", BIND, 0)  # keeps serving; the next start agrees
+        again = await host.service()
+        assert set(again.ledger.allocations) == {"a", "c"}
+        agree(again, host.fake)
+    run(body)
