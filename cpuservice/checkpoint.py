@@ -119,8 +119,8 @@ class Store:
     costs what it touches, not what exists. When the journal outgrows the snapshot, a new
     snapshot takes it in and the journal is emptied (replaying it again would change nothing).
     A last line without its newline (a write that never returned) is ignored on load; any other
-    damage is a CheckpointError (and the state is rebuilt from the units). A failed write leaves the files and this object as they were and raises
-    CheckpointWriteError."""
+    damage is a CheckpointError (and the state is rebuilt from the units). A failed write leaves
+    the files and this object as they were and raises CheckpointWriteError."""
 
     JOURNAL_MIN_BYTES = 64 * 1024
 
