@@ -128,9 +128,11 @@ def _replace_online(info: CPU, online: bool) -> CPU:
 
 
 def _read(path: Path) -> str | None:
+    """A sysfs file's text, None when it cannot be read: missing, or (seen in the lab, EPERM)
+    the attribute of a CPU that is being taken down."""
     try:
         return path.read_text()
-    except (FileNotFoundError, NotADirectoryError, ProcessLookupError):
+    except OSError:
         return None
 
 

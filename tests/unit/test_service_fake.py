@@ -324,16 +324,14 @@ def test_lifetime_unit_ends_with_its_slice_or_its_unit(tmp_path: Path) -> None:
         await svc.attach("job", [4242])
         assert svc.record("job").populated
         host.fake.kill_processes("cpuservice-bound-job.slice")  # its scope goes: UnitRemoved
-        for _ in range(50):
-            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.0)  # the lifetime check settles for 50 ms, then releases
         assert "job" not in svc.ledger.allocations
         assert "cpuservice-bound-job.slice" not in host.fake.units
         host.fake.units["app.service"] = Unit("app.service")
         await svc.allocate("app", "1", {"bind": True, "unit": "app.service",
                                         "lifetime": "unit"}, 0)
         await host.fake.stop("app.service")  # ActiveState inactive, watched
-        for _ in range(50):
-            await asyncio.sleep(0.02)
+        await asyncio.sleep(1.0)  # the lifetime check settles for 50 ms, then releases
         assert "app" not in svc.ledger.allocations
         agree(svc, host.fake)
     run(body)

@@ -110,3 +110,26 @@ def test_hotplug_sequences_never_leave_the_machines_ids(
     t = refresh(write_hotplug_state(root, machine, {}, links), t)
     fresh = discover(root)
     assert t == fresh and not t.inferred
+
+
+def test_a_file_the_kernel_refuses_to_read_is_a_cpu_in_transition(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """Seen in the lab's storm: reading thread_siblings_list of a CPU being taken down failed
+    with EPERM, and the repair died with a traceback."""
+    real = truth(tmp_path, "lab")
+    root = write_hotplug_state(tmp_path / "sys", "lab", {5: "offline"})
+    t = discover(root, previous=real)
+    write_hotplug_state(root, "lab", {})
+    original = Path.read_text
+
+    def refuse(self: Path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.parent.name == "topology" and self.parent.parent.name == "cpu5":
+            raise PermissionError(1, "Operation not permitted")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    t = refresh(root, t)
+    assert_valid(t, real)
+    assert t.cpus[5].node == real.cpus[5].node
+    monkeypatch.setattr(Path, "read_text", original)
+    assert refresh(root, t) == real
