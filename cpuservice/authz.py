@@ -65,6 +65,9 @@ class Authority:
         raise AccessDenied(f"not authorized for {action}")
 
 
+MAX_ATTACH_PIDS = 256
+
+
 def process_uid(pid: int) -> int:
     """The real uid of a live process; LookupError when there is none."""
     try:
@@ -76,13 +79,52 @@ def process_uid(pid: int) -> int:
     raise LookupError(f"no process {pid}")
 
 
+def systemd_cgroup(text: str) -> str:
+    """The path of a process's cgroup in systemd's hierarchy, from /proc/PID/cgroup (the
+    name=systemd line where cgroups are hybrid, the unified 0:: line otherwise)."""
+    unified = ""
+    for line in text.splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "name=systemd":
+            return path
+        if controllers == "":
+            unified = path
+    return unified
+
+
+def movable_from(cgroup: str, uid: int, own_units: set[str]) -> bool:
+    """Whether a user may move a process out of ``cgroup`` without manage: it runs in the user's
+    own sessions or user manager (``user.slice/user-UID.slice/...``) or in a unit of one of the
+    user's allocations. A system service's process (its sandbox) needs manage."""
+    parts = [p for p in cgroup.split("/") if p]
+    if parts[:2] == ["user.slice", f"user-{uid}.slice"] and len(parts) > 2:
+        return True
+    return any(p in own_units for p in parts)
+
+
+def may_move(pid: int, uid: int, own_units: set[str]) -> bool:
+    """Whether ``uid`` may move process ``pid`` without manage: its own process, in a unit it
+    may manage (see movable_from). LookupError when there is no such process."""
+    if process_uid(pid) != uid:
+        return False
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        raise LookupError(f"no process {pid}") from None
+    return movable_from(systemd_cgroup(text), uid, own_units)
+
+
 class PidHandles:
     """pidfds of processes checked before a move: if one dies before the move is done its PID
-    may have been reused, and the move is reported as unsafe."""
+    may have been reused, and the move is reported as unsafe. Each PID is opened once (a PID
+    named twice is moved once) and every descriptor is closed by close()."""
 
     def __init__(self, pids: list[int]) -> None:
         self.fds: dict[int, int] = {}
-        for pid in pids:
+        unique = list(dict.fromkeys(pids))
+        if len(unique) > MAX_ATTACH_PIDS:
+            raise LookupError(f"{len(unique)} PIDs: at most {MAX_ATTACH_PIDS} per call")
+        for pid in unique:
             try:
                 if pid <= 0:
                     raise ProcessLookupError
@@ -90,6 +132,10 @@ class PidHandles:
             except OSError:
                 self.close()
                 raise LookupError(f"no process {pid}") from None
+
+    @property
+    def pids(self) -> list[int]:
+        return list(self.fds)
 
     def all_alive(self) -> bool:
         poller = select.poll()

@@ -17,8 +17,8 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from . import __version__, dbuscall, views
-from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, process_uid
-from .errors import CPUServiceError, InvalidArgument, NoSuchAllocation
+from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, may_move
+from .errors import CPUServiceError, InvalidArgument, LimitExceeded, NoSuchAllocation
 from .service import Service
 from .units import NO_QUOTA
 
@@ -192,19 +192,31 @@ class Manager(ServiceInterface):
         await self.authority.check(sender, uid, action, interactive)
         return uid
 
-    async def authorize_for(self, name: str) -> int:
-        """Work on an existing allocation: allocate for one's own, manage for anyone's."""
-        if name not in self.service.ledger.allocations:
-            raise NoSuchAllocation(f"no allocation named {name!r}")
+    async def authorize_for(self, name: str) -> tuple[int, int]:
+        """Work on an existing allocation: allocate for one's own, manage for anyone's.
+        Returns the caller's uid and the allocation's serial: the service acts only if the
+        name still means that allocation once it holds its lock."""
+        serial = self.service.serial(name)
         owner = self.service.record(name).owner
         uid = await self._caller_uid()
-        return await self.authorize(ALLOCATE if owner == uid else MANAGE)
+        return await self.authorize(ALLOCATE if owner == uid else MANAGE), serial
+
+    async def exempt(self, uid: int) -> bool:
+        """Whether the per-user limits spare this caller: root, or a holder of manage
+        (asked without interaction: a limit is no reason to prompt)."""
+        if uid == 0:
+            return True
+        try:
+            await self.authority.check(current_call.get()[0], uid, MANAGE, False)
+        except CPUServiceError:
+            return False
+        return True
 
     async def _caller_uid(self) -> int:
         """The caller's uid from the bus (unique names are never reused: cache them)."""
         sender = current_call.get()[0]
-        if not sender:
-            return 0
+        if not sender:  # only a peer-to-peer connection has none: not the system bus's word
+            raise AccessDenied("a call that names no sender is not accepted")
         if sender in self._uids:
             return self._uids[sender]
         try:
@@ -256,20 +268,31 @@ class Manager(ServiceInterface):
     async def Allocate(self, name: "s", cpus: "s", options: "a{sv}") -> "o":
         admin = "cpuset" in options or "unit" in options
         owner = await self.authorize(MANAGE if admin else ALLOCATE)
-        await self.service.allocate(name, cpus, _options(options), owner)
+        opts = _options(options)
+        try:
+            await self.service.allocate(name, cpus, opts, owner, limited=not admin and owner != 0)
+        except LimitExceeded:
+            if admin or not await self.exempt(owner):
+                raise
+            await self.service.allocate(name, cpus, opts, owner)
         return path_of(name)
 
     @method()
     @boundary
     async def Release(self, name: "s") -> None:
-        await self.authorize_for(name)
-        await self.service.release(name)
+        _, serial = await self.authorize_for(name)
+        await self.service.release(name, serial=serial)
 
     @method()
     @boundary
     async def Resize(self, name: "s", cpus: "s") -> None:
-        await self.authorize_for(name)
-        await self.service.resize(name, cpus)
+        uid, serial = await self.authorize_for(name)
+        try:
+            await self.service.resize(name, cpus, serial, limited=uid != 0)
+        except LimitExceeded:
+            if not await self.exempt(uid):
+                raise
+            await self.service.resize(name, cpus, serial)
 
     @method()
     @boundary
@@ -311,20 +334,22 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Attach(self, name: "s", pids: "au") -> "s":
-        uid = await self.authorize_for(name)
+        uid, serial = await self.authorize_for(name)
         try:
             handles = PidHandles(list(pids))
         except LookupError as exc:
             raise InvalidArgument(str(exc)) from None
         try:
             if uid != 0:
+                mine = {self.service.record(n).unit for n in self.service.ledger.allocations
+                        if self.service.record(n).owner == uid}
                 try:
-                    foreign = [p for p in pids if process_uid(p) != uid]
+                    foreign = [p for p in handles.pids if not may_move(p, uid, mine)]
                 except LookupError as exc:
                     raise InvalidArgument(str(exc)) from None
-                if foreign:
+                if foreign:  # another user's process, or one of a unit that is not the caller's
                     await self.authorize(MANAGE)
-            unit = await self.service.attach(name, pids)
+            unit = await self.service.attach(name, handles.pids, serial)
             if not handles.all_alive():
                 log.warning("a process attached to %s exited during the move; its PID may "
                             "have been reused (systemd 252 takes PIDs, not pidfds)", name)

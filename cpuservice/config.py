@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ from .request import OPTION_KEYS, Options, parse_options
 
 DEFAULT_PATH = Path("/etc/cpuservice/cpuservice.toml")
 PER_REQUEST_ONLY = ("cpuset", "unit")
+_CPU_LIMIT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,3})?%?")
 
 
 class ConfigError(ValueError):
@@ -25,10 +28,22 @@ class Config(compat.StrictModel):
     sysfs_root: StrictStr = "/sys"
     state_file: StrictStr = "/var/lib/cpuservice/state.json"
     reserved_cpus: StrictStr = ""
-    min_shared_cpus: conint(strict=True, ge=0) = 1  # type: ignore[valid-type]
+    min_shared_cpus: conint(strict=True, ge=1) = 1  # type: ignore[valid-type]
     granularity: Literal[100, 1000] = 100
     confine_host: StrictBool = False
+    max_allocations_per_user: conint(strict=True, ge=0) = 64  # type: ignore[valid-type]
+    max_cpus_per_user: StrictStr = "50%"
+    lifetime_grace_seconds: conint(strict=True, ge=1, le=86400) = 60  # type: ignore[valid-type]
     defaults: dict[str, Any] = Field(default_factory=dict)
+
+    def cpu_limit(self, online: int) -> Decimal | None:
+        """The bound CPUs one unprivileged user may hold on ``online`` CPUs (None: no limit)."""
+        text = self.max_cpus_per_user
+        if text in ("", "0", "0%"):
+            return None
+        if text.endswith("%"):
+            return Decimal(online) * Decimal(text[:-1]) / 100
+        return Decimal(text)
 
     @property
     def reserved(self) -> CPUSet:
@@ -68,6 +83,13 @@ def load(path: Path | str = DEFAULT_PATH) -> Config:
 
 
 def validate(data: dict[str, Any], source: str = "config") -> Config:
+    if isinstance(data.get("max_cpus_per_user"), int) and not isinstance(
+            data["max_cpus_per_user"], bool):
+        data = {**data, "max_cpus_per_user": str(data["max_cpus_per_user"])}
+    limit = data.get("max_cpus_per_user")
+    if isinstance(limit, str) and not _CPU_LIMIT.fullmatch(limit):
+        raise ConfigError(f"{source}: max_cpus_per_user: {limit!r} is not a number of CPUs "
+                          "(e.g. 8) or a share of the online CPUs (e.g. \"50%\")")
     try:
         config = compat.load(Config, data)
     except compat.ValidationError as exc:

@@ -191,16 +191,25 @@ async def _topology(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
+def printable(text: str) -> str:
+    """Text received from the bus, with control characters shown escaped (a terminal must not
+    act on escape sequences somebody put in a name or a reason)."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii")
+                   for ch in text)
+
+
 async def _watch(c: Client, args: argparse.Namespace) -> int:
+    owner = dbuscall.NameOwner(c.bus, DEST)
+    await owner.follow()
     await dbuscall.call(c.bus, *dbuscall.BUS, "AddMatch", "s",
                         [f"type='signal',sender='{DEST}',path='{PATH}'"])
 
     def on(msg: Message) -> bool:
-        if msg.message_type == MessageType.SIGNAL and msg.path == PATH and msg.member:
-            if msg.member == "PropertiesChanged":
-                return False
+        # only the service's own signals: anybody may send a signal to this connection
+        if msg.message_type == MessageType.SIGNAL and msg.path == PATH and msg.member \
+                and owner.sent(msg) and msg.member != "PropertiesChanged":
             body = [str(x) for x in msg.body]
-            print(f"{msg.member} {' '.join(body)}", flush=True)
+            print(printable(f"{msg.member} {' '.join(body)}"), flush=True)
         return False
 
     c.bus.add_message_handler(on)

@@ -45,16 +45,23 @@ async def serve(cfg: config.Config) -> int:
     ).connect()
     systemd = Systemd(bus)
     await systemd.setup()
+    # listen for CPU hotplug before the topology is first read: a CPU that changes during
+    # startup is repaired right after it (the repair waits for the service's lock)
+    debouncer = Debouncer()
+    try:
+        monitor: CPUMonitor | None = CPUMonitor(debouncer)
+    except OSError as exc:
+        log.error("no CPU hotplug events (%s): call Revalidate() after CPUs change", exc)
+        monitor = None
     service = assemble(cfg, systemd, Store(cfg.state_file))
+    debouncer.settled = lambda: service.revalidate(full=False)
+    loop = asyncio.get_running_loop()
+    if monitor is not None:
+        monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
     bus.add_message_handler(capture_sender)
     await service.start()
     manager.export_all()
-    loop = asyncio.get_running_loop()
-    try:
-        CPUMonitor(Debouncer(lambda: service.revalidate(full=False))).attach(loop)
-    except OSError as exc:
-        log.error("no CPU hotplug events (%s): call Revalidate() after CPUs change", exc)
     reply = await bus.request_name(BUS_NAME)
     if reply not in (RequestNameReply.PRIMARY_OWNER, RequestNameReply.ALREADY_OWNER):
         log.error("could not own %s: %s", BUS_NAME, reply)

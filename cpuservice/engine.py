@@ -165,16 +165,21 @@ class Engine:
 
     async def observe(self, after: Mapping[str, UnitSpec]) -> dict[str, UnitSpec]:
         """The units systemd holds now: our per-allocation slices (a dead one is stopped, so
-        that it can be started again) and the other units ``after`` names."""
+        that it can be started again) and the other units ``after`` names. A slice is ours only
+        when it is one ``after`` names or its Description records the allocation its name
+        says: a slice somebody else made with a similar name is left alone."""
         before: dict[str, UnitSpec] = {}
         for unit, active in await self.systemd.list_units(OWN_PATTERNS):
             if units.name_of_slice(unit) is None:
                 continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
+            if unit not in after and not units.made_by_us(unit, have.get("Description", "")):
+                log.warning("leaving %s alone: cpuservice did not make it", unit)
+                continue
             if active not in ("active", "activating"):
                 await self.systemd.stop(unit)
                 continue
-            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
-            have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
             before[unit] = UnitSpec(units.observed_props(have), own=True)
         for unit, spec in after.items():
             if spec.own:

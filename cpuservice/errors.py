@@ -27,3 +27,9 @@ class AllocationExists(CPUServiceError):
 
 class SystemdFailure(CPUServiceError):
     dbus_name = "org.cpuservice1.Error.SystemdFailure"
+
+
+class LimitExceeded(CPUServiceError):
+    """A per-user limit (max_allocations_per_user, max_cpus_per_user) would be exceeded."""
+
+    dbus_name = "org.cpuservice1.Error.LimitExceeded"

@@ -15,12 +15,21 @@ ACTIONS = frozenset({"offline", "online", "add", "remove"})
 SETTLE_SECONDS = 0.05
 
 
-class Debouncer:
-    """Calls ``settled`` once after a burst of notify() calls has been quiet for ``delay``."""
+async def _nothing() -> None:
+    pass
 
-    def __init__(self, settled: Callable[[], Awaitable[None]], delay: float = SETTLE_SECONDS):
+
+class Debouncer:
+    """Calls ``settled`` once after a burst of notify() calls has been quiet for ``delay``; when
+    it fails, calls it again after ``retry`` seconds, doubling up to ``retry_max``, until it
+    succeeds (a repair that systemd refused must not stay undone)."""
+
+    def __init__(self, settled: Callable[[], Awaitable[None]] = _nothing,
+                 delay: float = SETTLE_SECONDS, retry: float = 0.5, retry_max: float = 30.0):
         self.settled = settled
         self.delay = delay
+        self.retry = retry
+        self.retry_max = retry_max
         self._timer: asyncio.TimerHandle | None = None
         self._running: asyncio.Task[None] | None = None
         self._again = False
@@ -38,12 +47,18 @@ class Debouncer:
         self._running = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
+        failures = 0
         while True:
             self._again = False
             try:
                 await self.settled()
-            except Exception:
-                log.exception("repair after CPU hotplug failed")
+            except Exception as exc:
+                wait = min(self.retry_max, self.retry * 2**failures)
+                failures += 1
+                log.error("repair after CPU hotplug failed (%s); trying again in %.1f s",
+                          exc, wait)
+                await asyncio.sleep(wait)
+                continue
             if not self._again:
                 return
 

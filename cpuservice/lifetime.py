@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -37,11 +38,18 @@ class Lifetime:
         self.release = release
         self._watched: dict[str, str] = {}  # unit object path -> allocation name
         self._tracked: set[str] = set()  # the lifetime=unit allocations
+        self._since: dict[str, float] = {}  # when each began to be followed (monotonic)
         self._task: asyncio.Task[None] | None = None
+        self._again = False
 
     def track(self, name: str) -> None:
-        """A lifetime=unit allocation to follow (its own slice through systemd's signals)."""
+        """A lifetime=unit allocation to follow (its own slice through systemd's signals).
+        One whose slice has had no process ``lifetime_grace_seconds`` from now (its caller
+        died before Attach) is released then."""
         self._tracked.add(name)
+        self._since.setdefault(name, time.monotonic())
+        grace = self.engine.config.lifetime_grace_seconds
+        asyncio.get_running_loop().call_later(grace + SETTLE_SECONDS, self.schedule)
 
     async def watch(self, name: str, unit: str) -> None:
         """Follow a foreign unit's ActiveState (own slices are followed through UnitRemoved)."""
@@ -60,6 +68,7 @@ class Lifetime:
 
     async def unwatch(self, name: str) -> None:
         self._tracked.discard(name)
+        self._since.pop(name, None)
         for path, watched in list(self._watched.items()):
             if watched == name:
                 del self._watched[path]
@@ -80,8 +89,25 @@ class Lifetime:
             self.schedule()
 
     def schedule(self) -> None:
+        """Check soon; a signal that arrives while a check runs leads to one more check."""
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self.check())
+            self._task = asyncio.get_running_loop().create_task(self._checks())
+        else:
+            self._again = True
+
+    async def _checks(self) -> None:
+        while True:
+            self._again = False
+            await self.check()
+            if not self._again:
+                return
+
+    def _abandoned(self, name: str, record: Record) -> bool:
+        """An own slice that never had a process within the grace period."""
+        grace = self.engine.config.lifetime_grace_seconds
+        since = self._since.get(name, time.monotonic())
+        return own_slice(record) and not record.populated and (
+            time.monotonic() - since >= grace)
 
     async def check(self) -> None:
         """Release lifetime=unit allocations whose unit ended; mark slices that got members."""
@@ -96,6 +122,11 @@ class Lifetime:
                 if await ended(engine.systemd, record):
                     if self.release is not None:
                         await self.release(name, "its unit ended")
+                elif self._abandoned(name, record) and not (
+                    await engine.systemd.processes(record.unit)
+                ):
+                    if self.release is not None:
+                        await self.release(name, "no process joined its slice in time")
                 elif not record.populated and own_slice(record) and (
                     await engine.systemd.processes(record.unit)
                 ):

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 from types import MappingProxyType
 
 from . import units
 from .checkpoint import CheckpointError, Record, State, from_payload
 from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger
 from .errors import CPUServiceError
-from .lifetime import ended
-from .pools import Allocation, Ledger, check_invariants
+from .lifetime import ended as unit_ended
+from .pools import Allocation, InvariantError, Ledger, check_invariants
 from .repair import repair
+from .targets import own_slice
 
 log = logging.getLogger(__name__)
 
@@ -25,16 +27,24 @@ async def start(engine: Engine) -> None:
         base = empty_ledger(engine.config, engine.topology)
         try:
             payload = engine.store.load()
-            state = from_payload(payload, base) if payload else State(base, {})
         except CheckpointError as exc:
             aside = engine.store.set_aside()
             log.error("%s; kept it as %s and rebuilt the state from systemd's units", exc, aside)
+            payload = None
+        if payload is not None:
+            state = from_payload(payload, base)
+        else:  # no checkpoint (lost, or never written): our slices say what runs
             state = await from_units(engine.systemd, base)
+            if state.ledger.allocations:
+                log.warning("no checkpoint: rebuilt %d allocation(s) from their slices",
+                            len(state.ledger.allocations))
         if state.ledger.granularity != base.granularity:
             log.warning("checkpoint uses granularity %d, config says %d: keeping %d until "
                         "every allocation is released", state.ledger.granularity,
                         base.granularity, state.ledger.granularity)
-        state = await drop_ended(engine.systemd, state)
+        state = without(state, await vanished(engine.systemd, state), "its unit is gone")
+        state = without(state, [n for n in await ended(engine.systemd, state)
+                                if own_slice(state.records[n])], "its unit ended")
         ledger, changes = repair(engine.topology, state.ledger)
         for change in changes:
             log.info("startup repair: %s: %s", change.name, change.reason)
@@ -43,6 +53,41 @@ async def start(engine: Engine) -> None:
         engine.store.save(new)
         await engine.sync(new)
         engine.state = new
+        await confinement(engine)
+        # foreign units whose lifetime=unit allocation ended while the daemon was down get
+        # their saved values back, and only then is the allocation forgotten
+        for name in await ended(engine.systemd, engine.state):
+            await release(engine, name, "its unit ended")
+
+
+CONFINED_MARK = "host-confined"  # beside the checkpoint: the host units have the shared pool
+
+
+async def confinement(engine: Engine) -> None:
+    """With confine_host, remember that the host's units were given the shared pool; without
+    it, give them all CPUs back if an earlier run (or configuration) confined them. The Debian
+    package's prerm does the same on removal, also when the daemon is down."""
+    mark = Path(engine.config.state_file).with_name(CONFINED_MARK)
+    if engine.config.confine_host:
+        mark.touch()
+        return
+    if not mark.exists():
+        return
+    for unit in units.CONFINED:
+        await engine.systemd.set_properties(unit, {"AllowedCPUs": ("ay", b"")}, missing_ok=True)
+    mark.unlink()
+    log.info("confine_host is off: %s have every CPU again", ", ".join(units.CONFINED))
+
+
+async def release(engine: Engine, name: str, reason: str) -> None:
+    """Forget an allocation (under the engine's lock). A foreign unit's saved values stay in
+    the checkpoint until systemd has taken them back."""
+    state = engine.state
+    records = dict(state.records)
+    record = records.pop(name, Record())
+    await engine.commit(State(state.ledger.without(name), records), {name},
+                        checkpoint_first=own_slice(record))
+    log.info("allocation %s released (%s)", name, reason)
 
 
 async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
@@ -51,6 +96,8 @@ async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
     records: dict[str, Record] = {}
     for unit, _ in await systemd.list_units(OWN_PATTERNS):
         text = (await systemd.get(unit, UNIT_IFACE, ["Description"])).get("Description", "")
+        if not units.made_by_us(unit, text):
+            continue
         try:
             allocation, record = units.from_description(units.parse_description(text) or {}, unit)
         except (CPUServiceError, KeyError, ValueError) as exc:
@@ -58,18 +105,48 @@ async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
             continue
         allocations[allocation.name] = allocation
         records[allocation.name] = record
-    return State(replace(base, allocations=MappingProxyType(allocations)), records)
+    ledger = replace(base, allocations=MappingProxyType(allocations))
+    try:
+        check_invariants(ledger)
+    except InvariantError as exc:  # two slices claim one CPU: keep neither's claim
+        log.error("rebuilt allocations conflict (%s): keeping the first of each", exc)
+        ledger = base
+        for a in allocations.values():
+            try:
+                check_invariants(ledger.with_allocation(a))
+                ledger = ledger.with_allocation(a)
+            except InvariantError:
+                log.error("dropped rebuilt allocation %s: its CPUs are taken", a.name)
+                records.pop(a.name, None)
+    return State(ledger, records)
 
 
-async def drop_ended(systemd: SystemdAPI, state: State) -> State:
-    """Forget lifetime=unit allocations whose unit is gone (or empty after having run)."""
-    ledger, records = state.ledger, dict(state.records)
-    for name, a in list(ledger.allocations.items()):
-        if a.request.options.lifetime != "unit":
+async def vanished(systemd: SystemdAPI, state: State) -> list[str]:
+    """Allocations on foreign units that are no longer loaded, or masked: nothing to apply to
+    or restore (logged, then forgotten; they must never stop the daemon from starting)."""
+    gone = []
+    for name, record in state.records.items():
+        if own_slice(record) or name not in state.ledger.allocations:
             continue
-        record = records.get(name, Record())
-        if await ended(systemd, record):
-            log.info("allocation %s ended with its unit %s", name, record.unit)
-            ledger = ledger.without(name)
-            records.pop(name, None)
+        load = (await systemd.get(record.unit, UNIT_IFACE, ["LoadState"])).get("LoadState")
+        if load != "loaded":
+            log.warning("allocation %s: its unit %s is %s", name, record.unit,
+                        load or "not loaded")
+            gone.append(name)
+    return gone
+
+
+async def ended(systemd: SystemdAPI, state: State) -> list[str]:
+    """lifetime=unit allocations whose unit is gone (or empty after having run)."""
+    return [name for name, a in state.ledger.allocations.items()
+            if a.request.options.lifetime == "unit"
+            and await unit_ended(systemd, state.records.get(name, Record()))]
+
+
+def without(state: State, names: list[str], reason: str) -> State:
+    ledger, records = state.ledger, dict(state.records)
+    for name in names:
+        log.info("allocation %s dropped: %s", name, reason)
+        ledger = ledger.without(name)
+        records.pop(name, None)
     return State(ledger, records)

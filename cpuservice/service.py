@@ -5,16 +5,25 @@ committed through the engine (checkpoint, reconcile transaction, events).
 
 from __future__ import annotations
 
+import itertools
 import logging
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from decimal import Decimal
 from typing import Any
 
 from . import placement, recovery, units
 from .checkpoint import Record, State
 from .engine import Engine, Events, cgroup_iface
-from .errors import AllocationExists, InvalidArgument, NoSuchAllocation, SystemdFailure
+from .errors import (
+    AllocationExists,
+    InvalidArgument,
+    LimitExceeded,
+    NoSuchAllocation,
+    SystemdFailure,
+)
 from .lifetime import Lifetime
 from .placement import Placement
 from .pools import Allocation, Ledger
@@ -34,6 +43,12 @@ class Service:
         self.lifetime = lifetime
         self.lock = engine.lock
         self._attached = 0
+        # Attach scopes are named <name>-<boot tag>-<n>: unique across restarts of the daemon
+        self._tag = secrets.token_hex(4)
+        # an allocation's identity, beyond its name: a caller authorized for one allocation
+        # must not act on another that took its name meanwhile
+        self._serials: dict[str, int] = {}
+        self._next_serial = itertools.count(1)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -66,6 +81,35 @@ class Service:
     def record(self, name: str) -> Record:
         return self.state.records.get(name, Record())
 
+    def serial(self, name: str) -> int:
+        """The identity of the allocation called ``name`` now (NoSuchAllocation if none)."""
+        self.allocation(name)
+        return self._serials.setdefault(name, next(self._next_serial))
+
+    def _same(self, name: str, serial: int | None) -> None:
+        """Under the lock: ``name`` is still the allocation the caller was authorized for."""
+        if self.serial(name) != serial and serial is not None:
+            raise NoSuchAllocation(f"allocation {name!r} was released and allocated again "
+                                   "meanwhile; ask again")
+
+    def check_limits(self, owner: int, name: str, request: Request) -> None:
+        """Per-user limits of an unprivileged owner (LimitExceeded), counting what ``owner``
+        holds besides ``name`` plus ``request``."""
+        cfg = self.config
+        mine = [a for n, a in self.ledger.allocations.items()
+                if n != name and self.record(n).owner == owner]
+        if cfg.max_allocations_per_user and len(mine) + 1 > cfg.max_allocations_per_user:
+            raise LimitExceeded(f"user {owner} has {len(mine)} allocations; the limit is "
+                                f"max_allocations_per_user={cfg.max_allocations_per_user}")
+        limit = cfg.cpu_limit(len(self.ledger.online))
+        if limit is None or not request.options.bind:
+            return
+        held = sum((a.request.cpus for a in mine if a.bound), Decimal(0))
+        if held + request.cpus > limit:
+            raise LimitExceeded(
+                f"user {owner} holds {held} bound CPUs and asks for {request.cpus}; the limit "
+                f"is max_cpus_per_user={cfg.max_cpus_per_user} ({limit.normalize()} CPUs)")
+
     def placement_of(self, name: str) -> Placement:
         return placement.describe(self.topology, self.ledger, self.allocation(name))
 
@@ -87,17 +131,23 @@ class Service:
         self.lifetime.schedule()
 
     async def allocate(
-        self, name: str, cpus: str, options: Mapping[str, Any], owner: int
+        self, name: str, cpus: str, options: Mapping[str, Any], owner: int,
+        limited: bool = False,
     ) -> Allocation:
+        """``limited``: the owner is an unprivileged user, held to the per-user limits."""
         validate_name(name)
+        units.check_unit_names(name)
         request = self.request(cpus, options)
         async with self.lock:
             if name in self.ledger.allocations:
                 raise AllocationExists(f"allocation {name!r} already exists")
+            if limited:
+                self.check_limits(owner, name, request)
             unit, saved = await self._target_unit(name, request)
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
             record = Record(owner, unit, saved)
             await self.engine.commit(State(ledger, {**self.state.records, name: record}), {name})
+            self._serials[name] = next(self._next_serial)
             if request.options.lifetime == "unit":
                 self.lifetime.track(name)
                 if not own_slice(record):
@@ -118,28 +168,39 @@ class Service:
             raise InvalidArgument(f"unit {unit!r} is not loaded")
         return unit, units.saved_props(current, units.CPU_PROPERTIES)
 
-    async def release(self, name: str, reason: str = "released") -> None:
+    async def release(self, name: str, reason: str = "released",
+                      serial: int | None = None) -> None:
+        """``serial``: act only if ``name`` is still that allocation (see serial())."""
         async with self.lock:
-            self.allocation(name)
+            self._same(name, serial)
             ledger = placement.release(self.ledger, name)
             records = dict(self.state.records)
-            records.pop(name, None)
-            await self.engine.commit(State(ledger, records), {name})
+            record = records.pop(name, Record())
+            # a foreign unit's saved values leave the checkpoint only once systemd has them back
+            await self.engine.commit(State(ledger, records), {name},
+                                     checkpoint_first=own_slice(record))
+            self._serials.pop(name, None)
             await self.lifetime.unwatch(name)
             log.info("allocation %s released (%s)", name, reason)
 
-    async def resize(self, name: str, cpus: str) -> Allocation:
+    async def resize(self, name: str, cpus: str, serial: int | None = None,
+                     limited: bool = False) -> Allocation:
         amount = parse_amount(cpus)
         async with self.lock:
-            self.allocation(name)
+            self._same(name, serial)
+            old = self.allocation(name)
+            if limited and amount > old.request.cpus:
+                self.check_limits(self.record(name).owner, name,
+                                  Request.build(amount, old.request.options))
             ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
             await self.engine.commit(State(ledger, self.state.records), {name},
                                      {name: f"resized to {amount}"})
             return allocation
 
-    async def attach(self, name: str, pids: Sequence[int]) -> str:
+    async def attach(self, name: str, pids: Sequence[int], serial: int | None = None) -> str:
         """Move running processes into a new transient scope in the allocation's slice."""
         async with self.lock:
+            self._same(name, serial)
             allocation = self.allocation(name)
             record = self.record(name)
             own = units.slice_name(name, allocation.bound)
@@ -150,7 +211,7 @@ class Service:
             if not pids:
                 raise InvalidArgument("no PIDs to attach")
             self._attached += 1
-            scope = f"cpuservice-{units.escape(name)}-{self._attached}.scope"
+            scope = units.attach_scope(name, self._tag, self._attached)
             props: units.Props = {"PIDs": ("au", list(pids)), "Slice": ("s", own),
                                   "Description": ("s", f"processes attached to {name}")}
             try:
@@ -172,13 +233,17 @@ class Service:
                 topology = discover(self.config.sysfs_root, previous=old_topology)
             else:
                 topology = refresh(self.config.sysfs_root, old_topology)
-            ledger, changes = repair(topology, self.ledger)
+            state = self.state
+            if full:  # a foreign unit that vanished: nothing to apply to, nothing to restore
+                gone = await recovery.vanished(self.systemd, state)
+                state = recovery.without(state, gone, "its unit is gone")
+            ledger, changes = repair(topology, state.ledger)
             reasons = {c.name: c.reason for c in changes}
             if topology == old_topology and not reasons and not full:
                 return
             # Not a caller's request: systemd first, then the checkpoint, which a restart
             # would repair the same way from the old one.
-            await self.engine.commit(State(ledger, self.state.records), None, reasons,
+            await self.engine.commit(State(ledger, state.records), None, reasons,
                                      sync=full, checkpoint_first=full, topology=topology)
             log.info("%s: online %s; %s (%.0f ms)", "revalidate" if full else "CPU hotplug",
                      topology.online, reasons or "nothing to repair",

@@ -23,6 +23,7 @@ PATH = "/org/freedesktop/systemd1"
 MANAGER = "org.freedesktop.systemd1.Manager"
 PROPERTIES = "org.freedesktop.DBus.Properties"
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
+UNIT_MASKED = "org.freedesktop.systemd1.UnitMasked"
 _FINISHED_KEEP = 4096
 
 log = logging.getLogger(__name__)
@@ -45,9 +46,12 @@ class Systemd:
         self.on_unit_removed: Callable[[str], None] = lambda unit: None
         self.on_unit_new: Callable[[str], None] = lambda unit: None
         self.on_unit_state: Callable[[str, str], None] = lambda path, state: None
+        self.owner = dbuscall.NameOwner(bus, DEST)
 
     async def setup(self) -> None:
-        """Subscribe to systemd's signals (before any job is started)."""
+        """Subscribe to systemd's signals (before any job is started). Only signals from the
+        connection that owns org.freedesktop.systemd1 count (forged ones are dropped)."""
+        await self.owner.follow()
         self.bus.add_message_handler(self._on_message)
         for member in ("JobRemoved", "UnitRemoved", "UnitNew"):
             await self._bus_call("AddMatch", f"type='signal',sender='{DEST}',path='{PATH}',"
@@ -73,7 +77,7 @@ class Systemd:
             raise SystemdFailure(f"{member} failed: {exc.text}") from None
 
     def _on_message(self, msg: Message) -> bool:
-        if msg.message_type != MessageType.SIGNAL or msg.sender is None:
+        if msg.message_type != MessageType.SIGNAL or not self.owner.sent(msg):
             return False
         if msg.interface == MANAGER:
             if msg.member == "JobRemoved":
@@ -123,13 +127,14 @@ class Systemd:
                             [unit, "fail", as_dbus(props), []])
 
     async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
-        """SetUnitProperties at runtime (lost at reboot; the daemon re-applies them)."""
+        """SetUnitProperties at runtime (lost at reboot; the daemon re-applies them).
+        ``missing_ok``: a unit that is not loaded or is masked is no error (a restore)."""
         if not props:
             return
         try:
             await self.call("SetUnitProperties", "sba(sv)", [unit, True, as_dbus(props)])
         except SystemdFailure as exc:
-            if not (missing_ok and NO_SUCH_UNIT in str(exc)):
+            if not (missing_ok and (NO_SUCH_UNIT in str(exc) or UNIT_MASKED in str(exc))):
                 raise
 
     async def stop(self, unit: str) -> None:

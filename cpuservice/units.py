@@ -17,6 +17,7 @@ from typing import Any
 
 from .checkpoint import Record
 from .cpuset import CPUSet
+from .errors import InvalidArgument
 from .placement import Placement
 from .pools import Allocation, Fragment
 from .request import Request, parse_options
@@ -55,9 +56,34 @@ def slice_name(name: str, bound: bool) -> str:
 
 
 def name_of_slice(unit: str) -> tuple[str, bool] | None:
-    """(allocation name, bound) for one of our per-allocation slices."""
+    """(allocation name, bound) for one of our per-allocation slices: exactly the name
+    slice_name() gives, so that a slice somebody made inside an allocation's slice
+    (``cpuservice-bound-db-batch.slice`` under ``cpuservice-bound-db.slice``) is not ours."""
     m = re.fullmatch(r"cpuservice-(bound|shared)-(.+)\.slice", unit)
-    return (unescape(m.group(2)), m.group(1) == "bound") if m else None
+    if not m:
+        return None
+    name, bound = unescape(m.group(2)), m.group(1) == "bound"
+    return (name, bound) if slice_name(name, bound) == unit else None
+
+
+UNIT_NAME_MAX = 255  # systemd refuses longer unit names
+_SCOPE_SUFFIX_MAX = len("-ffffffff-4294967295.scope")
+
+
+def attach_scope(name: str, tag: str, n: int) -> str:
+    """The scope Attach moves processes into (``tag``: unique to this run of the daemon)."""
+    return f"cpuservice-{escape(name)}-{tag}-{n}.scope"
+
+
+def check_unit_names(name: str) -> None:
+    """InvalidArgument when an allocation's units would have names systemd refuses (each ``-``
+    of the name takes four characters once escaped)."""
+    longest = max(len(slice_name(name, True)), len(f"cpuservice-{escape(name)}")
+                  + _SCOPE_SUFFIX_MAX)
+    if longest > UNIT_NAME_MAX:
+        raise InvalidArgument(
+            f"allocation name {name!r} is too long for a unit name once escaped ({longest} > "
+            f"{UNIT_NAME_MAX} characters; each '-' counts 4): use a shorter name or fewer '-'")
 
 
 @dataclass(frozen=True)
@@ -158,6 +184,14 @@ def parse_description(text: str) -> dict[str, str] | None:
     fields = dict(item.split("=", 1) for item in m.group(2).split() if "=" in item)
     fields["name"] = m.group(1)
     return fields
+
+
+def made_by_us(unit: str, description: str) -> bool:
+    """Whether ``unit`` is a per-allocation slice cpuservice started: its exact name, and a
+    Description that records the allocation of that name."""
+    fields = parse_description(description)
+    named = name_of_slice(unit)
+    return fields is not None and named is not None and fields.get("name") == named[0]
 
 
 def saved_props(values: Mapping[str, Any], names: Iterable[str]) -> Props:

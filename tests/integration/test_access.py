@@ -105,3 +105,74 @@ def test_unit_hardening_exposure(daemon: ServiceHost) -> None:
     assert exposure <= 2.0
     unit = daemon.show("cpuservice.service", "PrivateNetwork", "RestrictAddressFamilies")
     assert unit["PrivateNetwork"] == "no" and "AF_NETLINK" in unit["RestrictAddressFamilies"]
+
+
+FORGER = r"""
+import asyncio, sys, time
+from dbus_fast import BusType, Message, MessageType
+from dbus_fast.aio import MessageBus
+
+async def main(base: int, seconds: float) -> None:
+    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+    sent, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for job in range(base, base + 300):
+            for result in ("failed", "done"):
+                bus.send(Message(message_type=MessageType.SIGNAL, destination="org.cpuservice1",
+                                 path="/org/freedesktop/systemd1",
+                                 interface="org.freedesktop.systemd1.Manager",
+                                 member="JobRemoved", signature="uoss",
+                                 body=[job, f"/org/freedesktop/systemd1/job/{job}", "x.slice",
+                                       result]))
+                sent += 1
+        await asyncio.sleep(0.01)
+    print(sent, flush=True)
+
+asyncio.run(main(int(sys.argv[1]), float(sys.argv[2])))
+"""
+
+
+def test_forged_systemd_signals_change_nothing(daemon: ServiceHost) -> None:
+    """nobody sends JobRemoved 'failed' (and 'done') for the coming job ids while root
+    allocates and releases: no request fails, systemd holds what the service says."""
+    import asyncio
+    import subprocess
+
+    from dbus_fast import Variant
+
+    from tests.integration import client
+    from tests.integration.test_service import _check_consistent
+
+    daemon.configure("b")
+    job = daemon.busctl("call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                        "org.freedesktop.systemd1.Manager", "StartUnit", "ss",
+                        "cpuservice.slice", "replace")["data"][0]
+    base = int(job.rsplit("/", 1)[1])
+    forger = subprocess.Popen(
+        ["nsenter", "-t", str(daemon.c.pid1), "-a", "setpriv", f"--reuid={NOBODY}",
+         f"--regid={NOBODY}", "--clear-groups", "/usr/bin/python3", "-c", FORGER, str(base), "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    async def requests() -> int:
+        bus = await client.connect(daemon.c.bus_address)
+        done = 0
+        try:
+            await asyncio.sleep(1.0)  # the forger is sending
+            for i in range(25):
+                await client.call(bus, "Allocate", "ssa{sv}",
+                                  [f"f{i}", "1", {"bind": Variant("b", True)}])
+                await client.call(bus, "Resize", "ss", [f"f{i}", "2"])
+                await client.call(bus, "Release", "s", [f"f{i}"])
+                done += 1
+        finally:
+            bus.disconnect()
+        return done
+
+    try:
+        assert asyncio.run(requests()) == 25
+    finally:
+        out, err = forger.communicate(timeout=60)
+    assert forger.returncode == 0, err
+    assert int(out) > 1000  # it did send
+    daemon.allocate("after", "2", bind=True)
+    _check_consistent(daemon)

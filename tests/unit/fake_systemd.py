@@ -144,7 +144,8 @@ class FakeSystemd:
         u = self.units[unit]
         values: dict[str, Any] = {"AllowedCPUs": b"", "AllowedMemoryNodes": b"",
                                   "CPUWeight": 2**64 - 1, "CPUQuotaPerSecUSec": 2**64 - 1,
-                                  "Description": unit, "ActiveState": u.active}
+                                  "Description": unit, "ActiveState": u.active,
+                                  "LoadState": "loaded"}
         values.update(u.props)
         return {k: values[k] for k in names if k in values}
 

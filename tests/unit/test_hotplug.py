@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from pathlib import Path
 
 from cpuservice.cpuset import CPUSet
@@ -94,3 +95,24 @@ def test_refresh_falls_back_when_a_cpu_comes_back_elsewhere(tmp_path: Path) -> N
     write_sysfs(tmp_path, MACHINES["b"])
     (tmp_path / "devices/system/cpu/cpu3/topology/physical_package_id").write_text("1\n")
     assert refresh(tmp_path, down) == discover(tmp_path, previous=down)
+
+
+def test_a_failed_repair_is_tried_again_with_backoff() -> None:
+    async def main() -> list[float]:
+        loop = asyncio.get_running_loop()
+        calls: list[float] = []
+
+        async def settled() -> None:
+            calls.append(loop.time())
+            if len(calls) < 4:
+                raise RuntimeError("systemd refused")
+
+        d = Debouncer(settled, delay=0.01, retry=0.05, retry_max=0.1)
+        d.notify()
+        await asyncio.sleep(0.6)
+        return calls
+
+    calls = asyncio.run(main())
+    assert len(calls) == 4  # three failures, then success, then nothing more
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert gaps[0] >= 0.05 and gaps[1] >= 0.1 and gaps[2] >= 0.1

@@ -1,0 +1,115 @@
+"""The security review's defects on real systemd, dbus-daemon and polkitd (container host)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.service_env import DEST, BusctlError, ServiceHost, eventually
+from tests.integration.test_access import as_nobody
+from tests.integration.test_service import _check_consistent, allocations
+
+GRANT_ALL = """polkit.addRule(function(action, subject) {
+    if (action.id == "org.cpuservice1.allocate" && subject.user == "nobody") {
+        return polkit.Result.YES;
+    }
+});
+"""
+RULE = "/etc/polkit-1/rules.d/50-cpuservice-hostile.rules"
+
+
+@pytest.fixture
+def nobody_may_allocate(daemon: ServiceHost) -> Iterator[ServiceHost]:
+    rule = daemon.c.root / RULE.lstrip("/")
+    rule.parent.mkdir(parents=True, exist_ok=True)
+    rule.write_text(GRANT_ALL)
+    daemon.c.run(["systemctl", "restart", "polkit.service"])
+    try:
+        yield daemon
+    finally:
+        rule.unlink()
+        daemon.c.run(["systemctl", "restart", "polkit.service"])
+
+
+def test_per_user_limits_for_an_unprivileged_user(nobody_may_allocate: ServiceHost) -> None:
+    daemon = nobody_may_allocate
+    daemon.configure("b", max_allocations_per_user=3, max_cpus_per_user="25%")  # 4 of 16
+    out = as_nobody(daemon, "Allocate", "ssa{sv}", "n1", "3", "1", "bind", "b", "true")
+    assert not isinstance(out, BusctlError), out
+    over = as_nobody(daemon, "Allocate", "ssa{sv}", "n2", "2", "1", "bind", "b", "true")
+    assert isinstance(over, BusctlError) and "max_cpus_per_user" in over.text
+    assert isinstance(as_nobody(daemon, "Resize", "ss", "n1", "5"), BusctlError)
+    for name in ("n2", "n3"):
+        assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", name, "1", "0"),
+                              BusctlError)
+    over = as_nobody(daemon, "Allocate", "ssa{sv}", "n4", "1", "0")
+    assert isinstance(over, BusctlError) and "max_allocations_per_user=3" in over.text
+    daemon.allocate("root-big", "8", bind=True)  # root is not limited
+    assert sorted(allocations(daemon)) == ["n1", "n2", "n3", "root-big"]
+    _check_consistent(daemon)
+
+
+def test_a_users_slice_inside_an_allocation_survives_restarts(daemon: ServiceHost) -> None:
+    daemon.configure("b")
+    daemon.allocate("db", "2", bind=True)
+    child = "cpuservice-bound-db-batch.slice"
+    daemon.c.run(["systemd-run", f"--slice={child}", "--unit=batch-worker", "sleep", "300"])
+    try:
+        daemon.c.run(["systemctl", "restart", "cpuservice.service"])
+        daemon.call("Revalidate")
+        assert daemon.show(child, "ActiveState")["ActiveState"] == "active"
+        assert daemon.show("batch-worker.service", "ActiveState")["ActiveState"] == "active"
+    finally:
+        daemon.c.run(["systemctl", "stop", "batch-worker.service", child], check=False)
+
+
+def test_a_lost_checkpoint_stops_nothing(daemon: ServiceHost) -> None:
+    daemon.configure("b")
+    daemon.allocate("keep", "2", bind=True)
+    daemon.allocate("frac", "1.5", bind=True)
+    before = allocations(daemon)
+    daemon.stop()
+    daemon.c.run(["rm", "-f", "/var/lib/cpuservice/state.json",
+                  "/var/lib/cpuservice/state.json.journal"])
+    daemon.start()
+    assert allocations(daemon) == before
+    assert daemon.show("cpuservice-bound-keep.slice", "ActiveState")["ActiveState"] == "active"
+    _check_consistent(daemon)
+
+
+def test_confine_host_off_gives_the_host_every_cpu(daemon: ServiceHost) -> None:
+    daemon.configure("b", confine_host=True)
+    daemon.allocate("x", "4", bind=True)
+    shared = daemon.prop("SharedCPUs")
+    assert daemon.show("system.slice", "AllowedCPUs")["AllowedCPUs"] == shared
+    daemon.configure("b", wipe=False, confine_host=False)
+    for unit in ("system.slice", "user.slice", "init.scope"):
+        assert daemon.show(unit, "AllowedCPUs")["AllowedCPUs"] == "", unit
+    assert "x" in allocations(daemon)
+
+
+def test_a_vanished_foreign_unit_never_stops_startup(daemon: ServiceHost) -> None:
+    daemon.configure("b")
+    daemon.c.run(["systemd-run", "--unit=vanishing", "sleep", "300"])
+    daemon.allocate("v", "1", bind=True, unit="vanishing.service")
+    daemon.allocate("w", "1", bind=True)
+    daemon.stop()
+    daemon.c.run(["systemctl", "stop", "vanishing.service"])
+    eventually(lambda: daemon.c.run(["systemctl", "show", "-P", "LoadState",
+                                     "vanishing.service"]).stdout.strip() == "not-found")
+    daemon.start()
+    assert sorted(allocations(daemon)) == ["w"]
+    _check_consistent(daemon)
+
+
+def test_no_sender_no_traceback_and_limits_on_cpuset_text(daemon: ServiceHost) -> None:
+    daemon.configure("b")
+    huge = ",".join(["0-8191"] * 14000)  # 96 KiB (one argument may hold 128 KiB)
+    began = time.monotonic()
+    err = daemon.error("Plan", "sa{sv}", "1", "2", "bind", "b", "true", "cpuset", "s", huge)
+    assert "cpuset" in err and "internal error" not in err
+    assert time.monotonic() - began < 5
+    assert as_nobody(daemon, "ListAllocations")["data"] == [[]]
+    assert DEST[0] == "org.cpuservice1"

@@ -1,0 +1,355 @@
+"""What a hostile local user or a crash could do to the service, each defect of the security
+review as a regression test (the service's own code with the fake systemd, no root)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dbus_fast import Message, MessageType
+
+from cpuservice import authz, units
+from cpuservice import config as config_mod
+from cpuservice.checkpoint import Store
+from cpuservice.ctl import printable
+from cpuservice.dbuscall import NameOwner
+from cpuservice.errors import InvalidArgument, LimitExceeded, NoSuchAllocation
+from cpuservice.recovery import CONFINED_MARK
+from cpuservice.systemd import Systemd
+from tests.unit.fake_systemd import CONFINED, Crash, Unit
+from tests.unit.test_service_fake import BIND, Host, agree, run
+
+# ---- 1, 2. trust only systemd ------------------------------------------------------------
+
+
+def _signal(sender: str, member: str, body: list[Any], signature: str,
+            path: str = "/org/freedesktop/systemd1",
+            interface: str = "org.freedesktop.systemd1.Manager") -> Message:
+    return Message(message_type=MessageType.SIGNAL, sender=sender, path=path,
+                   interface=interface, member=member, signature=signature, body=body)
+
+
+def test_signals_count_only_from_the_owner_of_systemds_name() -> None:
+    systemd = Systemd(bus=None)  # type: ignore[arg-type]
+    systemd.owner.unique = ":1.1"
+    removed: list[str] = []
+    systemd.on_unit_removed = removed.append
+    job = "/org/freedesktop/systemd1/job/7"
+    for sender in (":1.66", "org.freedesktop.systemd1", ""):  # a local user, a lie, nobody
+        systemd._on_message(_signal(sender, "JobRemoved", [7, job, "x.slice", "failed"],
+                                    "uoss"))
+        systemd._on_message(_signal(sender, "UnitRemoved", ["x.slice", "/u"], "so"))
+    assert job not in systemd._finished and removed == []
+    systemd._on_message(_signal(":1.1", "JobRemoved", [7, job, "x.slice", "done"], "uoss"))
+    assert systemd._finished[job] == "done"
+
+
+def test_the_owner_follows_name_owner_changed() -> None:
+    owner = NameOwner(bus=None, name="org.freedesktop.systemd1")  # type: ignore[arg-type]
+    owner.unique = ":1.1"
+    bus = "org.freedesktop.DBus"
+    forged = _signal(":1.66", "NameOwnerChanged", ["org.freedesktop.systemd1", ":1.1", ":1.66"],
+                     "sss", "/org/freedesktop/DBus", bus)
+    owner._on_message(forged)
+    assert owner.unique == ":1.1"
+    owner._on_message(_signal(bus, "NameOwnerChanged",
+                              ["org.freedesktop.systemd1", ":1.1", ":1.9"], "sss",
+                              "/org/freedesktop/DBus", bus))
+    assert owner.unique == ":1.9"
+    assert not owner.sent(_signal(":1.1", "UnitNew", ["a", "/a"], "so"))
+
+
+def test_watch_prints_no_control_characters() -> None:
+    assert printable("AllocationChanged \x1b[2J\x07x\ty") == \
+        "AllocationChanged \\x1b[2J\\x07x\\ty"
+
+
+# ---- 4. per-user limits ---------------------------------------------------------------------
+
+
+def test_per_user_limits(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path, max_allocations_per_user=3)  # machine b: 16 CPUs, 50 % = 8
+        svc = await host.service()
+        await svc.allocate("a", "6", BIND, 1000, limited=True)
+        with pytest.raises(LimitExceeded, match="max_cpus_per_user=50%"):
+            await svc.allocate("b", "2.5", BIND, 1000, limited=True)
+        await svc.allocate("b", "2", BIND, 1000, limited=True)
+        with pytest.raises(LimitExceeded, match="max_cpus_per_user"):
+            await svc.resize("b", "3", svc.serial("b"), limited=True)
+        await svc.allocate("u", "4", {}, 1000, limited=True)  # unbound: counts as one
+        with pytest.raises(LimitExceeded, match="max_allocations_per_user=3"):
+            await svc.allocate("d", "1", {}, 1000, limited=True)
+        await svc.allocate("d", "1", {}, 1001, limited=True)  # another user
+        await svc.allocate("e", "1", BIND, 1000)  # exempt (root or manage)
+        assert sorted(svc.ledger.allocations) == ["a", "b", "d", "e", "u"]
+        agree(svc, host.fake)
+    run(body)
+
+
+def test_limit_config_is_checked() -> None:
+    assert config_mod.validate({"max_cpus_per_user": 4}).cpu_limit(16) == 4
+    assert config_mod.validate({"max_cpus_per_user": "25%"}).cpu_limit(16) == 4
+    assert config_mod.validate({"max_cpus_per_user": "0"}).cpu_limit(16) is None
+    for bad in ("lots", "-1", "50 %", True):
+        with pytest.raises(config_mod.ConfigError, match="max_cpus_per_user"):
+            config_mod.validate({"max_cpus_per_user": bad})
+    with pytest.raises(config_mod.ConfigError, match="min_shared_cpus"):
+        config_mod.validate({"min_shared_cpus": 0})
+
+
+# ---- 5. Attach ----------------------------------------------------------------------------
+
+
+def test_attach_opens_one_descriptor_per_pid_and_closes_all() -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    handles = authz.PidHandles([os.getpid()] * 500)
+    assert handles.pids == [os.getpid()] and len(handles.fds) == 1
+    handles.close()
+    with pytest.raises(LookupError, match="at most"):
+        authz.PidHandles(list(range(1, authz.MAX_ATTACH_PIDS + 2)))
+    with pytest.raises(LookupError, match="no process"):
+        authz.PidHandles([os.getpid(), 2**22 + 1])
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+def test_who_may_move_a_process() -> None:
+    own = {"cpuservice-bound-mine.slice"}
+    assert authz.movable_from("/user.slice/user-1000.slice/session-3.scope", 1000, own)
+    assert authz.movable_from(
+        "/user.slice/user-1000.slice/user@1000.service/app.slice/x.service", 1000, own)
+    assert authz.movable_from("/cpuservice.slice/cpuservice-bound.slice/"
+                              "cpuservice-bound-mine.slice/cpuservice-mine-1.scope", 1000, own)
+    for path in ("/system.slice/sshd.service", "/user.slice/user-1001.slice/session-4.scope",
+                 "/user.slice/user-1000.slice", "/", "/cpuservice.slice/cpuservice-bound.slice/"
+                 "cpuservice-bound-other.slice"):
+        assert not authz.movable_from(path, 1000, own), path
+    hybrid = "12:cpu:/\n1:name=systemd:/system.slice/cron.service\n0::/\n"
+    assert authz.systemd_cgroup(hybrid) == "/system.slice/cron.service"
+    assert authz.systemd_cgroup("0::/user.slice/user-0.slice/session-1.scope\n") == \
+        "/user.slice/user-0.slice/session-1.scope"
+
+
+def test_attach_scopes_are_unique_across_restarts(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("job", "1", BIND, 0)
+        first = await svc.attach("job", [4242])
+        svc = await host.service()  # a restart: the counter starts again
+        second = await svc.attach("job", [4243])
+        assert first != second and {first, second} <= host.fake.units.keys()
+    run(body)
+
+
+# ---- 6. authorization against the same allocation --------------------------------------------
+
+
+def test_an_authorization_covers_one_allocation_not_its_name(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("job", "1", BIND, 1000)  # alice's
+        approved = svc.serial("job")  # alice is authorized for this one ...
+        await svc.release("job")  # ... meanwhile root releases it
+        await svc.allocate("job", "2", BIND, 1001)  # and bob allocates a new "job"
+        for act in (svc.release("job", serial=approved),
+                    svc.resize("job", "1", approved),
+                    svc.attach("job", [4242], approved)):
+            with pytest.raises(NoSuchAllocation, match="allocated again"):
+                await act
+        assert svc.record("job").owner == 1001 and svc.allocation("job").request.cpus == 2
+        await svc.release("job", serial=svc.serial("job"))
+    run(body)
+
+
+# ---- 8. foreign units ---------------------------------------------------------------------
+
+
+def test_a_crash_during_release_keeps_the_saved_values(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        host.fake.units["app.service"] = Unit("app.service", {"CPUWeight": 300})
+        svc = await host.service()
+        await svc.allocate("app", "2", {"bind": True, "unit": "app.service"}, 0)
+        host.fake.fail_at(1, Crash())  # the restore never happens
+        with pytest.raises(Crash):
+            await svc.release("app")
+        host.fake.fail_at(10**6)
+        svc = await host.service()
+        assert svc.record("app").saved["CPUWeight"] == ("t", 300)
+        await svc.release("app")
+        assert host.fake.units["app.service"].props["CPUWeight"] == 300
+        assert not host.fake.cpus("app.service")
+    run(body)
+
+
+def test_a_lifetime_unit_allocation_that_ended_while_down_is_restored(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        host.fake.units["app.service"] = Unit("app.service", {"CPUWeight": 300})
+        svc = await host.service()
+        await svc.allocate("app", "2", {"bind": True, "unit": "app.service",
+                                        "lifetime": "unit"}, 0)
+        host.fake.units["app.service"].active = "inactive"  # ended while the daemon was down
+        svc = await host.service()
+        assert "app" not in svc.ledger.allocations
+        assert host.fake.units["app.service"].props["CPUWeight"] == 300
+        agree(svc, host.fake)
+    run(body)
+
+
+@pytest.mark.parametrize("how", ["vanished", "masked"])
+def test_a_foreign_unit_that_is_gone_never_stops_startup(tmp_path: Path, how: str) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        host.fake.units["app.service"] = Unit("app.service")
+        svc = await host.service()
+        await svc.allocate("app", "2", {"bind": True, "unit": "app.service"}, 0)
+        await svc.allocate("keep", "2", BIND, 0)
+        if how == "vanished":
+            del host.fake.units["app.service"]
+        else:
+            host.fake.units["app.service"].props["LoadState"] = "masked"
+        svc = await host.service()
+        assert sorted(svc.ledger.allocations) == ["keep"]
+        await svc.revalidate()
+        agree(svc, host.fake)
+    run(body)
+
+
+# ---- 9, 10. only ours; no checkpoint ----------------------------------------------------------
+
+
+def test_a_slice_a_user_made_inside_an_allocation_is_left_alone(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("db", "2", BIND, 0)
+        child = "cpuservice-bound-db-batch.slice"  # systemd-run --slice=... under db's slice
+        host.fake.units[child] = Unit(child, {"Description": child}, transient=True)
+        await host.service()
+        svc = await host.service()
+        await svc.revalidate()
+        assert child in host.fake.units
+        assert units.name_of_slice(child) is None
+        assert units.name_of_slice(units.slice_name("db-batch", True)) == ("db-batch", True)
+    run(body)
+
+
+def test_names_systemd_would_refuse_are_invalid_up_front(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        name, calls = "a" + "-" * 63, host.fake.calls
+        with pytest.raises(InvalidArgument, match="too long for a unit name"):
+            await svc.allocate(name, "1", BIND, 0)
+        assert not svc.ledger.allocations and host.fake.calls == calls
+        await svc.allocate("a" * 64, "1", BIND, 0)
+    run(body)
+
+
+def test_a_missing_checkpoint_is_rebuilt_from_the_units(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("b", "2", BIND, 1000)
+        await svc.allocate("u", "1", {}, 0)
+        before = svc.ledger.allocations
+        state = Path(host.cfg.state_file)
+        for f in state.parent.iterdir():
+            f.unlink()
+        mark = host.fake.mark()
+        again = await host.service()
+        assert again.ledger.allocations == before
+        assert host.fake.writes[mark[1]:] == []  # nothing running was stopped or changed
+        assert Store(state).load() is not None
+    run(body)
+
+
+# ---- 7. a failed write ------------------------------------------------------------------------
+
+
+def test_a_failed_snapshot_changes_nothing_and_the_next_start_agrees(tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    from cpuservice import checkpoint
+
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("a", "2", BIND, 0)
+        real_open = open
+
+        def refuse(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path).endswith(".tmp"):
+                raise OSError(30, "Read-only file system")
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(checkpoint.Store, "JOURNAL_MIN_BYTES", 0)  # every change snapshots
+        monkeypatch.setattr("builtins.open", refuse)
+        for _ in range(3):
+            with pytest.raises(checkpoint.CheckpointWriteError):
+                await svc.allocate("b", "2", BIND, 0)
+            with pytest.raises(checkpoint.CheckpointWriteError):
+                await svc.release("a")
+        monkeypatch.setattr("builtins.open", real_open)
+        assert sorted(svc.ledger.allocations) == ["a"]
+        await svc.allocate("c", "2", BIND, 0)
+        again = await host.service()
+        assert sorted(again.ledger.allocations) == ["a", "c"]
+        agree(again, host.fake)
+    run(body)
+
+
+# ---- 12. lifetime=unit ------------------------------------------------------------------------
+
+
+def test_an_allocation_nobody_joined_is_released_after_the_grace(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path, lifetime_grace_seconds=1)
+        svc = await host.service()
+        await svc.allocate("lost", "1", {"bind": True, "lifetime": "unit"}, 0)
+        await svc.allocate("used", "1", {"bind": True, "lifetime": "unit"}, 0)
+        await svc.attach("used", [4242])
+        await asyncio.sleep(0.5)
+        assert "lost" in svc.ledger.allocations
+        await asyncio.sleep(1.0)
+        assert sorted(svc.ledger.allocations) == ["used"]
+        agree(svc, host.fake)
+    run(body)
+
+
+def test_a_unit_signal_during_a_check_is_not_lost(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        for name in ("one", "two"):
+            await svc.allocate(name, "1", {"bind": True, "lifetime": "unit"}, 0)
+            await svc.attach(name, [4242 if name == "one" else 4243])
+        host.fake.kill_processes("cpuservice-bound-one.slice")  # a check starts ...
+        await asyncio.sleep(0.06)  # ... and is running when the second unit ends
+        host.fake.kill_processes("cpuservice-bound-two.slice")
+        await asyncio.sleep(1.0)
+        assert not svc.ledger.allocations
+    run(body)
+
+
+# ---- 14. confine_host off ---------------------------------------------------------------------
+
+
+def test_turning_confine_host_off_gives_the_host_every_cpu(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path, confine_host=True)
+        svc = await host.service()
+        await svc.allocate("b", "4", BIND, 0)
+        assert all(host.fake.cpus(u) == svc.ledger.shared for u in CONFINED)
+        mark = Path(host.cfg.state_file).with_name(CONFINED_MARK)
+        assert mark.exists()
+        host.cfg = config_mod.validate({**host.cfg.__dict__, "confine_host": False})
+        svc = await host.service()
+        assert all(not host.fake.cpus(u) for u in CONFINED) and not mark.exists()
+        assert host.fake.cpus("cpuservice-shared.slice") == svc.ledger.shared
+    run(body)
