@@ -44,6 +44,9 @@ class Record:
     unit: str = ""
     saved: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
     populated: bool = False
+    # a foreign unit's properties that had no runtime override before cpuservice set them: the
+    # restore removes cpuservice's override instead of leaving the old value frozen in one
+    fresh: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ def _row(name: str, a: Allocation, r: Record) -> dict[str, Any]:
         "unit": r.unit,
         "saved": {k: [sig, _prop_out(sig, v)] for k, (sig, v) in r.saved.items()},
         "populated": r.populated,
+        **({"fresh": list(r.fresh)} if r.fresh else {}),
     }
 
 
@@ -88,7 +92,8 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
             )
             saved = {k: (sig, _prop_in(sig, v)) for k, (sig, v) in row["saved"].items()}
             records[row["name"]] = Record(int(row["owner"]), str(row["unit"]), saved,
-                                          bool(row["populated"]))
+                                          bool(row["populated"]),
+                                          tuple(str(n) for n in row.get("fresh", ())))
     except (KeyError, TypeError, ValueError, CPUServiceError) as exc:
         raise CheckpointError(f"bad allocation in checkpoint: {exc}") from None
     ledger = Ledger(ledger.online, ledger.reserved, ledger.isolated,

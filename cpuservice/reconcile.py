@@ -44,6 +44,7 @@ class UnitSpec:
     props: Props
     own: bool = True
     restore: Props = field(default_factory=dict)
+    forget: tuple[str, ...] = ()  # runtime overrides of a foreign unit to remove on restore
 
     @property
     def cpus(self) -> CPUSet | None:
@@ -59,7 +60,8 @@ class Kind(StrEnum):
     START = "start"  # StartTransientUnit with props; undo: stop
     SET = "set"  # SetUnitProperties props; undo: set undo_props
     STOP = "stop"  # StopUnit; undo: start again with undo_props
-    RESTORE = "restore"  # SetUnitProperties of a foreign unit's saved values; undo: set undo_props
+    RESTORE = "restore"  # SetUnitProperties of a foreign unit's saved values, then remove the
+    # runtime overrides cpuservice made where the unit had none (forget); undo: set undo_props
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Op:
     unit: str
     props: Props = field(default_factory=dict)
     undo_props: Props = field(default_factory=dict)
+    forget: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
@@ -132,7 +135,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
             ops.append(Op(Kind.STOP, unit, {}, spec.props))
         else:
             current = {k: spec.props[k] for k in spec.restore if k in spec.props}
-            ops.append(Op(Kind.RESTORE, unit, spec.restore, current))
+            ops.append(Op(Kind.RESTORE, unit, spec.restore, current, spec.forget))
         holding.pop(unit, None)
 
     # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
@@ -169,7 +172,8 @@ def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:
         return [Op(Kind.SET, unit, after.props, after.restore)]
     if before.own != after.own:
         stop_or_restore = (Op(Kind.STOP, unit, {}, before.props) if before.own
-                           else Op(Kind.RESTORE, unit, before.restore, before.props))
+                           else Op(Kind.RESTORE, unit, before.restore, before.props,
+                                   before.forget))
         return [stop_or_restore, *_final(unit, None, after)]
     diff = _differs(after.props, before.props)
     if not diff:
@@ -179,13 +183,15 @@ def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:
 
 
 class Effector(Protocol):
-    """The three systemd calls a transaction is made of."""
+    """The systemd calls a transaction is made of."""
 
     async def start_transient(self, unit: str, props: Props) -> None: ...
 
     async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None: ...
 
     async def stop(self, unit: str) -> None: ...
+
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None: ...
 
 
 async def run_op(effector: Effector, op: Op) -> None:
@@ -195,6 +201,8 @@ async def run_op(effector: Effector, op: Op) -> None:
         await effector.stop(op.unit)
     elif op.kind is Kind.RESTORE:
         await effector.set_properties(op.unit, op.props, missing_ok=True)
+        if op.forget:
+            await effector.remove_overrides(op.unit, op.forget)
     elif op.props:
         await effector.set_properties(op.unit, op.props)
 

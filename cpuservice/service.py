@@ -16,7 +16,7 @@ from typing import Any
 
 from . import placement, recovery, units
 from .checkpoint import Record, State
-from .engine import Engine, Events, cgroup_iface
+from .engine import UNIT_IFACE, Engine, Events, cgroup_iface
 from .errors import (
     AllocationExists,
     InvalidArgument,
@@ -143,9 +143,9 @@ class Service:
                 raise AllocationExists(f"allocation {name!r} already exists")
             if limited:
                 self.check_limits(owner, name, request)
-            unit, saved = await self._target_unit(name, request)
+            unit, saved, fresh = await self._target_unit(name, request)
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
-            record = Record(owner, unit, saved)
+            record = Record(owner, unit, saved, fresh=fresh)
             await self.engine.commit(State(ledger, {**self.state.records, name: record}), {name})
             self._serials[name] = next(self._next_serial)
             if request.options.lifetime == "unit":
@@ -154,10 +154,13 @@ class Service:
                     await self.lifetime.watch(name, unit)
             return allocation
 
-    async def _target_unit(self, name: str, request: Request) -> tuple[str, units.Props]:
+    async def _target_unit(self, name: str, request: Request
+                           ) -> tuple[str, units.Props, tuple[str, ...]]:
+        """The unit an allocation applies to; for a foreign unit also its current values and
+        the properties it has no runtime override for (see Record.fresh)."""
         unit = request.options.unit
         if unit is None:
-            return units.slice_name(name, request.options.bind), {}
+            return units.slice_name(name, request.options.bind), {}, ()
         for other, rec in self.state.records.items():
             if rec.unit == unit:
                 raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")
@@ -166,7 +169,11 @@ class Service:
         current = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
         if not current:
             raise InvalidArgument(f"unit {unit!r} is not loaded")
-        return unit, units.saved_props(current, units.CPU_PROPERTIES)
+        info = await self.systemd.get(unit, UNIT_IFACE, ["DropInPaths", "LoadState"])
+        if info.get("LoadState", "loaded") != "loaded":
+            raise InvalidArgument(f"unit {unit!r} is {info['LoadState']}")
+        fresh = units.fresh_props(unit, info.get("DropInPaths", []))
+        return unit, units.saved_props(current, units.CPU_PROPERTIES), fresh
 
     async def release(self, name: str, reason: str = "released",
                       serial: int | None = None) -> None:

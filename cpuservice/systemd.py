@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from dbus_fast import Message, MessageType, Variant
 from dbus_fast.aio import MessageBus
 
-from . import dbuscall
+from . import dbuscall, units
 from .errors import SystemdFailure
 
 DEST = "org.freedesktop.systemd1"
@@ -144,6 +145,18 @@ class Systemd:
         except SystemdFailure as exc:
             if NO_SUCH_UNIT not in str(exc):
                 raise
+
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
+        """Remove the runtime drop-ins that setting ``names`` on ``unit`` wrote (after their
+        values were set back): the unit's own configuration then rules again, at the next
+        daemon-reload too. A drop-in that cannot be removed is logged, not an error."""
+        for path in units.dropin_paths(unit, names):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("cannot remove %s: %s", path, exc.strerror)
 
     async def unit_path(self, unit: str) -> str | None:
         try:

@@ -55,7 +55,7 @@ class Targets:
         props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
         if own:
             props["Description"] = ("s", units.describe(name, units.description_fields(a, record)))
-        spec = UnitSpec(props, own, {} if own else record.saved)
+        spec = UnitSpec(props, own, {} if own else record.saved, () if own else record.fresh)
         self._cache[name] = (a, record, shared, spec)
         if follows:
             self._followers.add(name)

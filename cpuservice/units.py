@@ -194,6 +194,26 @@ def made_by_us(unit: str, description: str) -> bool:
     return fields is not None and named is not None and fields.get("name") == named[0]
 
 
+# the runtime drop-in systemd writes for each property cpuservice sets (50-<name>.conf, in
+# /run/systemd/system.control/<unit>.d/, or /run/systemd/transient/<unit>.d/ for transient units)
+DROPIN_NAMES = {"AllowedCPUs": "AllowedCPUs", "CPUWeight": "CPUWeight",
+                "CPUQuotaPerSecUSec": "CPUQuota", "AllowedMemoryNodes": "AllowedMemoryNodes"}
+RUNTIME_DROPIN_DIRS = ("/run/systemd/system.control", "/run/systemd/transient")
+
+
+def dropin_paths(unit: str, names: Iterable[str]) -> list[str]:
+    """The runtime drop-ins a property change of ``unit`` writes, in either directory."""
+    return [f"{d}/{unit}.d/50-{DROPIN_NAMES[n]}.conf" for n in names if n in DROPIN_NAMES
+            for d in RUNTIME_DROPIN_DIRS]
+
+
+def fresh_props(unit: str, existing: Iterable[str]) -> tuple[str, ...]:
+    """The CPU properties of ``unit`` without a runtime override among ``existing`` (its
+    DropInPaths): restoring them means removing cpuservice's override."""
+    have = set(existing)
+    return tuple(n for n in CPU_PROPERTIES if not have & set(dropin_paths(unit, [n])))
+
+
 def saved_props(values: Mapping[str, Any], names: Iterable[str]) -> Props:
     """The current values of a foreign unit's CPU properties, to restore them later."""
     sigs = {"AllowedCPUs": "ay", "AllowedMemoryNodes": "ay", "CPUWeight": "t",

@@ -113,3 +113,30 @@ def test_no_sender_no_traceback_and_limits_on_cpuset_text(daemon: ServiceHost) -
     assert time.monotonic() - began < 5
     assert as_nobody(daemon, "ListAllocations")["data"] == [[]]
     assert DEST[0] == "org.cpuservice1"
+
+
+def test_release_removes_the_runtime_overrides_it_made(daemon: ServiceHost) -> None:
+    """A unit file's own CPUWeight rules again after release, also once the file changes: the
+    old value is not frozen in a runtime drop-in."""
+    daemon.configure("b")
+    unit_file = daemon.c.root / "etc/systemd/system/persist.service"
+    unit_file.write_text("[Service]\nExecStart=/bin/sleep 600\nCPUWeight=70\n")
+    daemon.c.run(["systemctl", "daemon-reload"])
+    daemon.c.run(["systemctl", "start", "persist.service"])
+    control = daemon.c.root / "run/systemd/system.control/persist.service.d"
+    try:
+        daemon.allocate("p", "1.5", bind=True, unit="persist.service")
+        assert (control / "50-AllowedCPUs.conf").exists()
+        assert daemon.show("persist.service", "CPUWeight")["CPUWeight"] != "70"
+        daemon.call("Release", "s", "p")
+        assert daemon.show("persist.service", "CPUWeight", "AllowedCPUs") == {
+            "CPUWeight": "70", "AllowedCPUs": ""}
+        left = sorted(p.name for p in control.glob("*.conf")) if control.exists() else []
+        assert left == [], left
+        unit_file.write_text("[Service]\nExecStart=/bin/sleep 600\nCPUWeight=80\n")
+        daemon.c.run(["systemctl", "daemon-reload"])
+        assert daemon.show("persist.service", "CPUWeight")["CPUWeight"] == "80"
+    finally:
+        daemon.c.run(["systemctl", "stop", "persist.service"], check=False)
+        unit_file.unlink()
+        daemon.c.run(["systemctl", "daemon-reload"])

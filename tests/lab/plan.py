@@ -138,9 +138,66 @@ as_alice get-property org.cpuservice1 /org/cpuservice1/allocation/alicealloc \\
 echo "== not root's"
 as_alice call $M Release s rootalloc
 as_alice call $M Resize ss rootalloc 2
+echo "== alice attaches her own session's process"
+runuser -l alice -c 'exec sleep 300' &
+i=0
+until pid=$(pgrep -u alice -x sleep | head -1) && [ -n "$pid" ]; do
+    i=$((i + 1)); [ $i -gt 100 ] && break; sleep 0.1
+done
+echo "cgroup $(cut -d: -f3 /proc/$pid/cgroup | tail -1)"
+as_alice call $M Attach sau alicealloc 1 $pid
+echo "process $(grep Cpus_allowed_list /proc/$pid/status | cut -f2)"
+echo "== alice may not move her process out of a system service"
+systemd-run --uid=alice --unit=alice-svc sleep 300 >/dev/null 2>&1
+svcpid=$(systemctl show -p MainPID --value alice-svc)
+as_alice call $M Attach sau alicealloc 1 $svcpid
+systemctl stop alice-svc
+kill $pid 2>/dev/null
 echo "== root releases alice's"
 busctl call $M Release s alicealloc; echo "status $?"
 busctl call $M ListAllocations
+"""
+HARDENING = """systemd-analyze security cpuservice.service --no-pager | grep -E '✗|Overall'"""
+FULL_DISK = LIB + r"""
+# The state directory on a small filesystem that is then filled: requests answer a named error
+# and change nothing; what was acknowledged survives a restart; the service keeps serving.
+step 30 "stop cpuservice" systemctl stop cpuservice
+mkdir -p /var/lib/cpuservice && cp -a /var/lib/cpuservice /tmp/state-copy
+step 10 "mount a small state filesystem" \
+    mount -t tmpfs -o size=256k,mode=0700 tmpfs /var/lib/cpuservice
+cp -a /tmp/state-copy/. /var/lib/cpuservice/
+step 60 "start cpuservice" systemctl start cpuservice
+names() {
+    busctl --json=short call $M ListAllocations | python3 -c \
+        'import json,sys; print(" ".join(sorted(r[0] for r in json.load(sys.stdin)["data"][0])))'
+}
+already=$(names)
+busctl call $M Allocate 'ssa{sv}' before 1 1 bind b true >/dev/null || fail "Allocate before"
+dd if=/dev/zero of=/var/lib/cpuservice/filler bs=4k 2>/dev/null
+echo "free $(df --output=avail -k /var/lib/cpuservice | tail -1)"
+ok="before"
+for i in $(seq 1 30); do
+    if out=$(busctl call $M Allocate 'ssa{sv}' full$i 1 0 2>&1); then ok="$ok full$i"
+    else echo "refused full$i: $out"; fi
+done
+busctl call $M Release s before >/dev/null 2>&1 && ok=${ok#before} && echo "released before"
+echo "acknowledged $ok"
+echo "active $(systemctl is-active cpuservice)"
+rm -f /var/lib/cpuservice/filler
+busctl call $M Allocate 'ssa{sv}' after 1 1 bind b true >/dev/null || fail "Allocate after"
+ok="$ok after"
+step 60 "restart cpuservice" systemctl restart cpuservice
+have=$(names)
+want=$(echo $already $ok | tr ' ' '\n' | sort | tr '\n' ' ' | sed 's/ $//')
+echo "after restart: $have"
+echo "expected: $want"
+[ "$have" = "$want" ] || fail "allocations after restart differ from what was acknowledged"
+for name in $ok; do busctl call $M Release s $name >/dev/null; done
+step 30 "stop cpuservice" systemctl stop cpuservice
+cp -a /var/lib/cpuservice/. /tmp/state-copy/ && umount /var/lib/cpuservice
+cp -a /tmp/state-copy/. /var/lib/cpuservice/
+step 60 "start cpuservice on the real disk" systemctl start cpuservice
+echo "done"
 """
 
 # The default shape (2 sockets x 2 cores x 2 threads, 2 NUMA nodes), one boot, in this order.
@@ -158,6 +215,8 @@ MAIN: dict[str, Scenario] = {
     "storm": Scenario(f"{HOTPLUG} storm", 300, ("install",)),
     "cli": Scenario(CLI, 240, ("install",)),
     "access": Scenario(ACCESS, 240, ("install",)),
+    "hardening": Scenario(HARDENING, 60, ("install",)),
+    "fulldisk": Scenario(FULL_DISK, 240, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.

@@ -11,6 +11,7 @@ from typing import Any
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.errors import SystemdFailure
+from cpuservice.units import dropin_paths
 
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
@@ -120,8 +121,13 @@ class FakeSystemd:
                 return
             raise SystemdFailure(f"systemd refused SetUnitProperties: {NO_SUCH_UNIT}: "
                                  f"unit {unit} not loaded")
+        u = self.units[unit]
         for name, (_, value) in props.items():
-            self.units[unit].props[name] = value
+            u.props[name] = value
+        if not u.transient:  # systemd writes a runtime drop-in per property
+            paths = u.props.setdefault("DropInPaths", [])
+            paths += [p for p in dropin_paths(unit, props)
+                      if "system.control" in p and p not in paths]
         self._record()
 
     async def stop(self, unit: str) -> None:
@@ -135,6 +141,13 @@ class FakeSystemd:
         if removed.transient:
             self.on_unit_removed(unit)
 
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
+        self._mutating("RemoveOverrides", unit, {n: ("s", "") for n in names})
+        u = self.units.get(unit)
+        if u is not None:
+            gone = set(dropin_paths(unit, names))
+            u.props["DropInPaths"] = [p for p in u.props.get("DropInPaths", []) if p not in gone]
+
     async def unit_path(self, unit: str) -> str | None:
         return self.path(unit) if unit in self.units else None
 
@@ -145,7 +158,7 @@ class FakeSystemd:
         values: dict[str, Any] = {"AllowedCPUs": b"", "AllowedMemoryNodes": b"",
                                   "CPUWeight": 2**64 - 1, "CPUQuotaPerSecUSec": 2**64 - 1,
                                   "Description": unit, "ActiveState": u.active,
-                                  "LoadState": "loaded"}
+                                  "LoadState": "loaded", "DropInPaths": []}
         values.update(u.props)
         return {k: values[k] for k in names if k in values}
 

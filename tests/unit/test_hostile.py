@@ -202,6 +202,26 @@ def test_a_lifetime_unit_allocation_that_ended_while_down_is_restored(tmp_path: 
     run(body)
 
 
+def test_the_restore_removes_only_the_overrides_cpuservice_made(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        mine = "/run/systemd/system.control/app.service.d/50-CPUWeight.conf"  # the admin's
+        host.fake.units["app.service"] = Unit("app.service", {"CPUWeight": 300,
+                                                             "DropInPaths": [mine]})
+        svc = await host.service()
+        await svc.allocate("app", "1.5", {"bind": True, "unit": "app.service"}, 0)
+        assert svc.record("app").fresh == ("AllowedCPUs", "CPUQuotaPerSecUSec",
+                                           "AllowedMemoryNodes")
+        svc = await host.service()  # the checkpoint keeps it
+        await svc.release("app")
+        removed = [w for w in host.fake.writes if w.member == "RemoveOverrides"]
+        assert [(w.unit, sorted(w.props)) for w in removed] == [
+            ("app.service", ["AllowedCPUs", "AllowedMemoryNodes", "CPUQuotaPerSecUSec"])]
+        app = host.fake.units["app.service"].props
+        assert app["CPUWeight"] == 300 and app["DropInPaths"] == [mine]
+    run(body)
+
+
 @pytest.mark.parametrize("how", ["vanished", "masked"])
 def test_a_foreign_unit_that_is_gone_never_stops_startup(tmp_path: Path, how: str) -> None:
     async def body() -> None:
