@@ -1,165 +1,38 @@
-"""The D-Bus face of the service: org.cpuservice1.Manager and org.cpuservice1.Allocation.
-
-Every method runs behind one boundary: a CPUServiceError becomes its named D-Bus error, anything
-else is logged and answered with a generic error, so no caller ever sees a traceback.
+"""The D-Bus face of the service: org.cpuservice1.Manager at /org/cpuservice1 (the methods,
+the pools' properties and signals, the ObjectManager's signals); it is the service's Events sink.
+The allocation objects and the error boundary are in bus_objects.
 (No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
 """
 
-import contextvars
-import functools
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAccess, Variant
+from dbus_fast import Message, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import __version__, dbuscall, views
+from . import __version__, dbuscall
 from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, may_move
+from .bus_objects import (
+    ALLOCATION_SIGNATURES,
+    BUS_NAME,
+    PATH,
+    Allocation,
+    Bus,
+    boundary,
+    capture_sender,
+    current_call,
+    path_of,
+    plain_options,
+)
 from .errors import CPUServiceError, InvalidArgument, LimitExceeded, NoSuchAllocation
 from .service import Service
 from .units import NO_QUOTA
 
+__all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
 log = logging.getLogger(__name__)
-BUS_NAME = "org.cpuservice1"
-PATH = "/org/cpuservice1"
-ALLOCATION_PREFIX = "/org/cpuservice1/allocation/"
-FAILED = "org.cpuservice1.Error.Failed"
-
-# (sender, ALLOW_INTERACTIVE_AUTHORIZATION) of the method call being handled
-current_call: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
-    "call", default=("", False))
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-
-def capture_sender(msg: Message) -> bool:
-    """Message handler that remembers who is calling (exported methods are not told)."""
-    if msg.message_type == MessageType.METHOD_CALL:
-        interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
-        current_call.set((msg.sender or "", interactive))
-    return False
-
-
-def path_of(name: str) -> str:
-    """Object path of an allocation: bytes outside [A-Za-z0-9] become _xx (as sd_bus does)."""
-    return ALLOCATION_PREFIX + "".join(
-        ch if ch.isascii() and ch.isalnum() else f"_{ord(ch):02x}" for ch in name
-    )
-
-
-def ascii_text(text: str) -> str:
-    """Escape non-ASCII: dbus-fast 1.84 (Debian 12) marshals multi-byte strings with a wrong
-    length, and the bus then drops the connection. Error texts quote callers' input."""
-    return text.encode("ascii", "backslashreplace").decode("ascii")
-
-
-def boundary(fn: F) -> F:
-    """Named errors out, tracebacks never."""
-
-    @functools.wraps(fn)
-    async def wrapper(*args: Any) -> Any:
-        try:
-            return await fn(*args)
-        except CPUServiceError as exc:
-            raise DBusError(exc.dbus_name, ascii_text(str(exc))) from None
-        except DBusError:
-            raise
-        except Exception:
-            log.exception("internal error in %s", fn.__name__)
-            raise DBusError(FAILED, f"internal error in {fn.__name__}; see the service log") from None
-    return wrapper  # type: ignore[return-value]
-
-
-def _options(options: dict[str, Variant]) -> dict[str, Any]:
-    return {k: v.value for k, v in options.items()}
-
-
-ALLOCATION_SIGNATURES = {
-    "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
-    "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
-    "State": "s", "Lifetime": "s",
-}
-
-
-class Bus(MessageBus):
-    """dbus-fast sends InterfacesAdded/InterfacesRemoved itself on export/unexport, from the
-    object's own path; the D-Bus specification has them come from the ObjectManager's path
-    (/org/cpuservice1). The Manager sends them, with the values it is handed."""
-
-    def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
-        pass
-
-    def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
-        pass
-
-
-class Allocation(ServiceInterface):
-    def __init__(self, manager: "Manager", name: str) -> None:
-        super().__init__("org.cpuservice1.Allocation")
-        self.manager = manager
-        self.service = manager.service
-        self.allocation = name
-
-    def values(self) -> dict[str, Any]:
-        """All properties, from the service's current state (no copy is kept here)."""
-        service = self.service
-        return views.allocation(service.topology, service.state, self.allocation)
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Name(self) -> "s":
-        return self.allocation
-
-    @dbus_property(access=PropertyAccess.READ)
-    def CPUs(self) -> "s":
-        return self.values()["CPUs"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Bound(self) -> "b":
-        return self.values()["Bound"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def CPUSet(self) -> "s":
-        return self.values()["CPUSet"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Shares(self) -> "a{uu}":
-        return self.values()["Shares"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def CPUQuotaPerSecUSec(self) -> "t":
-        return self.values()["CPUQuotaPerSecUSec"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def CPUWeight(self) -> "t":
-        return self.values()["CPUWeight"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def MemoryNodes(self) -> "s":
-        return self.values()["MemoryNodes"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Unit(self) -> "s":
-        return self.values()["Unit"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Owner(self) -> "u":
-        return self.values()["Owner"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def State(self) -> "s":
-        return self.values()["State"]
-
-    @dbus_property(access=PropertyAccess.READ)
-    def Lifetime(self) -> "s":
-        return self.values()["Lifetime"]
-
-    @method()
-    @boundary
-    async def Release(self) -> None:
-        await self.manager.authorize_for(self.allocation)
-        await self.service.release(self.allocation)
 
 
 class Manager(ServiceInterface):
@@ -268,7 +141,7 @@ class Manager(ServiceInterface):
     async def Allocate(self, name: "s", cpus: "s", options: "a{sv}") -> "o":
         admin = "cpuset" in options or "unit" in options
         owner = await self.authorize(MANAGE if admin else ALLOCATE)
-        opts = _options(options)
+        opts = plain_options(options)
         try:
             await self.service.allocate(name, cpus, opts, owner, limited=not admin and owner != 0)
         except LimitExceeded:
@@ -297,7 +170,7 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Plan(self, cpus: "s", options: "a{sv}") -> "a{sv}":
-        p = self.service.plan(cpus, _options(options))
+        p = self.service.plan(cpus, plain_options(options))
         quota = NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec
         return {
             "cpuset": Variant("s", p.cpus.format()),
@@ -312,7 +185,7 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Capacity(self, cpus: "s", options: "a{sv}") -> "u":
-        return self.service.capacity(cpus, _options(options))
+        return self.service.capacity(cpus, plain_options(options))
 
     @method()
     @boundary

@@ -1,0 +1,163 @@
+"""The D-Bus objects' common ground: who is calling, the error boundary, object paths, the bus
+connection, and org.cpuservice1.Allocation (one object per allocation; its Manager is in
+bus_api).
+
+Every method runs behind one boundary: a CPUServiceError becomes its named D-Bus error, anything
+else is logged and answered with a generic error, so no caller ever sees a traceback.
+(No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
+"""
+
+import contextvars
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAccess, Variant
+from dbus_fast.aio import MessageBus
+from dbus_fast.service import ServiceInterface, dbus_property, method
+
+from . import views
+from .errors import CPUServiceError
+
+if TYPE_CHECKING:
+    from .bus_api import Manager
+
+log = logging.getLogger(__name__)
+BUS_NAME = "org.cpuservice1"
+PATH = "/org/cpuservice1"
+ALLOCATION_PREFIX = "/org/cpuservice1/allocation/"
+FAILED = "org.cpuservice1.Error.Failed"
+
+# (sender, ALLOW_INTERACTIVE_AUTHORIZATION) of the method call being handled
+current_call: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "call", default=("", False))
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+def capture_sender(msg: Message) -> bool:
+    """Message handler that remembers who is calling (exported methods are not told)."""
+    if msg.message_type == MessageType.METHOD_CALL:
+        interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
+        current_call.set((msg.sender or "", interactive))
+    return False
+
+
+def path_of(name: str) -> str:
+    """Object path of an allocation: bytes outside [A-Za-z0-9] become _xx (as sd_bus does)."""
+    return ALLOCATION_PREFIX + "".join(
+        ch if ch.isascii() and ch.isalnum() else f"_{ord(ch):02x}" for ch in name
+    )
+
+
+def ascii_text(text: str) -> str:
+    """Escape non-ASCII: dbus-fast 1.84 (Debian 12) marshals multi-byte strings with a wrong
+    length, and the bus then drops the connection. Error texts quote callers' input."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def boundary(fn: F) -> F:
+    """Named errors out, tracebacks never."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            return await fn(*args)
+        except CPUServiceError as exc:
+            raise DBusError(exc.dbus_name, ascii_text(str(exc))) from None
+        except DBusError:
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            raise DBusError(FAILED, f"internal error in {fn.__name__}; see the service log") from None
+    return wrapper  # type: ignore[return-value]
+
+
+def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
+    return {k: v.value for k, v in options.items()}
+
+
+ALLOCATION_SIGNATURES = {
+    "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
+    "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
+    "State": "s", "Lifetime": "s",
+}
+
+
+class Bus(MessageBus):
+    """dbus-fast sends InterfacesAdded/InterfacesRemoved itself on export/unexport, from the
+    object's own path; the D-Bus specification has them come from the ObjectManager's path
+    (/org/cpuservice1). The Manager sends them, with the values it is handed."""
+
+    def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
+        pass
+
+    def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
+        pass
+
+
+class Allocation(ServiceInterface):
+    def __init__(self, manager: "Manager", name: str) -> None:
+        super().__init__("org.cpuservice1.Allocation")
+        self.manager = manager
+        self.service = manager.service
+        self.allocation = name
+
+    def values(self) -> dict[str, Any]:
+        """All properties, from the service's current state (no copy is kept here)."""
+        service = self.service
+        return views.allocation(service.topology, service.state, self.allocation)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Name(self) -> "s":
+        return self.allocation
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUs(self) -> "s":
+        return self.values()["CPUs"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Bound(self) -> "b":
+        return self.values()["Bound"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUSet(self) -> "s":
+        return self.values()["CPUSet"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Shares(self) -> "a{uu}":
+        return self.values()["Shares"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUQuotaPerSecUSec(self) -> "t":
+        return self.values()["CPUQuotaPerSecUSec"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUWeight(self) -> "t":
+        return self.values()["CPUWeight"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def MemoryNodes(self) -> "s":
+        return self.values()["MemoryNodes"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Unit(self) -> "s":
+        return self.values()["Unit"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Owner(self) -> "u":
+        return self.values()["Owner"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return self.values()["State"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Lifetime(self) -> "s":
+        return self.values()["Lifetime"]
+
+    @method()
+    @boundary
+    async def Release(self) -> None:
+        await self.manager.authorize_for(self.allocation)
+        await self.service.release(self.allocation)
