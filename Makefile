@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        bench-placement bench-service bench-hotplug run man deb
+        bench-placement bench-service bench-hotplug bench-irq run man deb
 
 setup:
 	bash scripts/install-deps.sh all
@@ -57,6 +57,9 @@ bench-service:
 
 bench-hotplug:
 	PYTHONPATH=$(CURDIR) $(PY) bench/hotplug.py
+
+bench-irq:
+	PYTHONPATH=$(CURDIR) $(PY) bench/irq.py
 
 deb:
 	bash scripts/build-deb.sh

@@ -271,6 +271,19 @@ class Manager(ServiceInterface):
         return self.service.ledger.granularity
 
     @dbus_property(access=PropertyAccess.READ)
+    def IRQIsolation(self) -> "a{sv}":
+        kernel = self.service.engine.kernel
+        report = kernel.report if kernel is not None else None
+        enabled = self.service.config.isolate_irqs
+        return {
+            "enabled": Variant("b", enabled),
+            "cpus": Variant("s", report.cpus.format() if report and enabled else ""),
+            "confined": Variant("au", list(report.confined) if report and enabled else []),
+            "unmovable": Variant("au", list(report.unmovable) if report and enabled else []),
+            "irqbalance": Variant("b", bool(report and enabled and report.irqbalance)),
+        }
+
+    @dbus_property(access=PropertyAccess.READ)
     def Topology(self) -> "s":
         return self.service.topology.to_json()
 

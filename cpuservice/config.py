@@ -31,6 +31,8 @@ class Config(compat.StrictModel):
     min_shared_cpus: conint(strict=True, ge=1) = 1  # type: ignore[valid-type]
     granularity: Literal[100, 1000] = 100
     confine_host: StrictBool = False
+    isolate_irqs: StrictBool = False
+    isolate_workqueues: StrictBool = False
     max_allocations_per_user: conint(strict=True, ge=0) = 64  # type: ignore[valid-type]
     max_cpus_per_user: StrictStr = "50%"
     lifetime_grace_seconds: conint(strict=True, ge=1, le=86400) = 60  # type: ignore[valid-type]

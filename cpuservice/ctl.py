@@ -119,6 +119,11 @@ async def _status(c: Client, args: argparse.Namespace) -> int:
         print(f"  {key[:-4] + ':':<11}{props[key] or '-'}")
     print(f"  Allocations: {len(allocations)} ({bound} bound, {len(allocations) - bound} "
           f"unbound); degraded: {', '.join(degraded) or 'none'}")
+    irq = props.get("IRQIsolation") or {}
+    if irq.get("enabled"):
+        unmovable = ", ".join(map(str, irq["unmovable"])) or "none"
+        print(f"  IRQs:      {len(irq['confined'])} on {irq['cpus'] or '-'}; unmovable: "
+              f"{unmovable}{'; irqbalance told' if irq['irqbalance'] else ''}")
     return 0
 
 

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from dbus_fast import BusType, RequestNameReply
 
@@ -16,8 +17,9 @@ from . import __version__, config
 from .authz import Authority
 from .bus_api import BUS_NAME, Bus, Manager, capture_sender
 from .checkpoint import Store
-from .engine import Engine, SystemdAPI
+from .engine import Engine, KernelAPI, SystemdAPI
 from .hotplug import CPUMonitor, Debouncer
+from .irqs import Kernel
 from .lifetime import Lifetime
 from .service import Service
 from .systemd import Systemd
@@ -26,10 +28,11 @@ from .topology import discover
 log = logging.getLogger("cpuserviced")
 
 
-def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store) -> Service:
+def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
+             kernel: KernelAPI | None = None) -> Service:
     """Wire the service's parts together: the engine (state, checkpoint, reconcile), the
     lifetime=unit watcher on systemd's signals, and the use cases."""
-    engine = Engine(cfg, systemd, store, discover(cfg.sysfs_root))
+    engine = Engine(cfg, systemd, store, discover(cfg.sysfs_root), kernel)
     lifetime = Lifetime(engine)
     service = Service(engine, lifetime)
     lifetime.release = service.release
@@ -53,7 +56,8 @@ async def serve(cfg: config.Config) -> int:
     except OSError as exc:
         log.error("no CPU hotplug events (%s): call Revalidate() after CPUs change", exc)
         monitor = None
-    service = assemble(cfg, systemd, Store(cfg.state_file))
+    service = assemble(cfg, systemd, Store(cfg.state_file),
+                       Kernel(systemd, Path(cfg.state_file).parent))
     debouncer.settled = lambda: service.revalidate(full=False)
     loop = asyncio.get_running_loop()
     if monitor is not None:

@@ -17,6 +17,7 @@ from .checkpoint import State, Store
 from .config import Config
 from .cpuset import CPUSet
 from .errors import CPUServiceError, SystemdFailure
+from .irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from .pools import Ledger, check_invariants
 from .reconcile import Props, UnitSpec
 from .targets import Targets
@@ -52,6 +53,39 @@ class SystemdAPI(Protocol):
     async def unwatch_unit(self, unit_path: str) -> None: ...
 
 
+class KernelAPI(Protocol):
+    """What cpuservice asks of the kernel for isolation beyond cgroups (cpuservice.irqs)."""
+
+    report: Report
+
+    async def set_cpus(self, holder: str, cpus: CPUSet) -> None: ...
+    async def get_cpus(self, holder: str) -> CPUSet | None: ...
+
+
+class Effector:
+    """The reconcile transaction's effector: systemd for units, the kernel for the pseudo-units
+    of interrupts and workqueues (they only ever get AllowedCPUs)."""
+
+    def __init__(self, systemd: SystemdAPI, kernel: KernelAPI | None) -> None:
+        self.systemd, self.kernel = systemd, kernel
+
+    async def start_transient(self, unit: str, props: Props) -> None:
+        await self.systemd.start_transient(unit, props)
+
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
+        if unit in KERNEL_HOLDERS:
+            if self.kernel is not None and "AllowedCPUs" in props:
+                await self.kernel.set_cpus(unit, CPUSet.from_mask(bytes(props["AllowedCPUs"][1])))
+            return
+        await self.systemd.set_properties(unit, props, missing_ok)
+
+    async def stop(self, unit: str) -> None:
+        await self.systemd.stop(unit)
+
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
+        await self.systemd.remove_overrides(unit, names)
+
+
 class Events(Protocol):
     """What the bus layer is told after each committed change, with the values to publish."""
 
@@ -79,6 +113,12 @@ class NoEvents:
         pass
 
 
+def kernel_holders(config: Config) -> tuple[str, ...]:
+    """The pseudo-units of the kernel that follow the shared pool, as configured."""
+    return (*((IRQS,) if config.isolate_irqs else ()),
+            *((WORKQUEUES,) if config.isolate_workqueues else ()))
+
+
 def empty_ledger(config: Config, topology: Topology) -> Ledger:
     return Ledger(topology.online, config.reserved, topology.isolated & topology.online,
                   config.granularity, config.min_shared_cpus)
@@ -86,13 +126,15 @@ def empty_ledger(config: Config, topology: Topology) -> Ledger:
 
 class Engine:
     def __init__(self, config: Config, systemd: SystemdAPI, store: Store,
-                 topology: Topology) -> None:
+                 topology: Topology, kernel: KernelAPI | None = None) -> None:
         self.config = config
         self.systemd = systemd
+        self.kernel = kernel
+        self.effector = Effector(systemd, kernel)
         self.store = store
         self.topology = topology
         self.state = State(empty_ledger(config, topology), {})
-        self.targets = Targets(config.confine_host)
+        self.targets = Targets(config.confine_host, kernel_holders(config))
         self.events: Events = NoEvents()
         self.lock = asyncio.Lock()
 
@@ -126,7 +168,7 @@ class Engine:
             else:
                 tx = reconcile.plan(before, self.specs(new, changed),
                                     old.ledger.exclusive | new.ledger.exclusive)
-                await reconcile.execute(tx, self.systemd)
+                await reconcile.execute(tx, self.effector)
             if not checkpoint_first:
                 self.store.save(new, changed)
         except Exception as exc:
@@ -162,7 +204,7 @@ class Engine:
         held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
                                 if unit.startswith("cpuservice-bound-"))
         await reconcile.execute(reconcile.plan(before, after, state.ledger.exclusive | held),
-                                self.systemd)
+                                self.effector)
 
     async def observe(self, after: Mapping[str, UnitSpec]) -> dict[str, UnitSpec]:
         """The units systemd holds now: our per-allocation slices (a dead one is stopped, so
@@ -183,6 +225,11 @@ class Engine:
                 continue
             before[unit] = UnitSpec(units.observed_props(have), own=True)
         for unit, spec in after.items():
+            if unit in KERNEL_HOLDERS:
+                cpus = await self.kernel.get_cpus(unit) if self.kernel is not None else None
+                if cpus:
+                    before[unit] = UnitSpec(units.shared_props(cpus), own=False)
+                continue
             if spec.own:
                 continue
             have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)

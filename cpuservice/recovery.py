@@ -11,8 +11,9 @@ from types import MappingProxyType
 
 from . import units
 from .checkpoint import CheckpointError, Record, State, from_payload
-from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger
+from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger, kernel_holders
 from .errors import CPUServiceError
+from .irqs import KERNEL_HOLDERS
 from .lifetime import ended as unit_ended
 from .pools import Allocation, InvariantError, Ledger, check_invariants
 from .repair import repair
@@ -70,13 +71,21 @@ async def confinement(engine: Engine) -> None:
     mark = Path(engine.config.state_file).with_name(CONFINED_MARK)
     if engine.config.confine_host:
         mark.touch()
-        return
-    if not mark.exists():
-        return
-    for unit in units.CONFINED:
-        await engine.systemd.set_properties(unit, {"AllowedCPUs": ("ay", b"")}, missing_ok=True)
-    mark.unlink()
-    log.info("confine_host is off: %s have every CPU again", ", ".join(units.CONFINED))
+    elif mark.exists():
+        for unit in units.CONFINED:
+            await engine.systemd.set_properties(unit, {"AllowedCPUs": ("ay", b"")},
+                                                missing_ok=True)
+        mark.unlink()
+        log.info("confine_host is off: %s have every CPU again", ", ".join(units.CONFINED))
+    holders = kernel_holders(engine.config)
+    for holder in KERNEL_HOLDERS:
+        mark = Path(engine.config.state_file).with_name(f"isolated-{holder.split(':')[1]}")
+        if holder in holders:
+            mark.touch()
+        elif mark.exists() and engine.kernel is not None:
+            await engine.kernel.set_cpus(holder, engine.topology.online)
+            mark.unlink()
+            log.info("%s: isolation is off, every online CPU again", holder)
 
 
 async def release(engine: Engine, name: str, reason: str) -> None:

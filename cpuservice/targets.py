@@ -27,8 +27,9 @@ def follows_shared(a: Allocation, own: bool) -> bool:
 
 
 class Targets:
-    def __init__(self, confine_host: bool) -> None:
-        self.shared_units = (units.SHARED, *(units.CONFINED if confine_host else ()))
+    def __init__(self, confine_host: bool, kernel_holders: tuple[str, ...] = ()) -> None:
+        self.shared_units = (units.SHARED, *(units.CONFINED if confine_host else ()),
+                             *kernel_holders)
         self._cache: dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]] = {}
         self._followers: set[str] = set()  # allocations whose unit follows the shared pool
 

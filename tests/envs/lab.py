@@ -36,6 +36,7 @@ PAYLOAD_DIRS = ("cpuservice", "dbus", "systemd", "scripts", "tests/lab/scenarios
 PACKAGES = (
     "systemd", "systemd-sysv", "libpam-systemd", "dbus", "udev", "polkitd", "python3",
     "python3-dbus-fast", "python3-pydantic", "python3-pyudev", "procps", "util-linux",
+    "irqbalance",
 )
 RUNNER = """#!/bin/sh
 # Mounts the payload disk and runs its runner (so the runner can change without a new image).
@@ -84,7 +85,7 @@ ExecStart=/usr/local/sbin/cpuservice-lab-runner
 [Install]
 WantedBy=multi-user.target
 """
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 BOOT_ALLOWANCE = 300  # seconds from QEMU's start to the first scenario, with room
 _PR_SET_PDEATHSIG = 1
 
@@ -213,6 +214,8 @@ def _customize(rootfs: Path) -> None:
     wants.mkdir(exist_ok=True)
     (wants / "cpuservice-lab.service").symlink_to("/etc/systemd/system/cpuservice-lab.service")
     (rootfs / "etc/hostname").write_text("cpuservice-lab\n")
+    # irqbalance is there for the interrupt isolation scenario, which starts it itself
+    (wants / "irqbalance.service").unlink(missing_ok=True)
     subprocess.run(["chroot", str(rootfs), "useradd", "-m", "alice"], check=True)
 
 

@@ -11,6 +11,7 @@ LIB = ". /payload/tests/lab/scenarios/lib.sh\n"
 M = "org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager"
 A = "org.cpuservice1 /org/cpuservice1/allocation/pkg org.cpuservice1.Allocation"
 HOTPLUG = "python3 /payload/tests/lab/scenarios/hotplug.py"
+IRQS = "python3 /payload/tests/lab/scenarios/irqs.py"
 
 TOPOLOGY = """python3 - <<'PY'
 import json
@@ -217,6 +218,8 @@ MAIN: dict[str, Scenario] = {
     "access": Scenario(ACCESS, 240, ("install",)),
     "hardening": Scenario(HARDENING, 60, ("install",)),
     "fulldisk": Scenario(FULL_DISK, 240, ("install",)),
+    "irqs": Scenario(f"{IRQS} check no", 120, ("install",)),
+    "irqs-irqbalance": Scenario(f"{IRQS} check yes", 150, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.

@@ -22,7 +22,14 @@ from cpuservice.errors import CPUServiceError, SystemdFailure
 from cpuservice.fixtures import MACHINES, write_sysfs
 from cpuservice.pools import check_invariants
 from cpuservice.service import Service
-from tests.unit.fake_systemd import Crash, FakeSystemd, Unit, empty_writes, violations
+from tests.unit.fake_systemd import (
+    Crash,
+    FakeKernel,
+    FakeSystemd,
+    Unit,
+    empty_writes,
+    violations,
+)
 
 BIND = {"bind": True}
 
@@ -83,10 +90,11 @@ class Host:
                                         "state_file": str(tmp / "state" / "state.json"),
                                         **settings})
         self.fake = FakeSystemd()
+        self.kernel = FakeKernel(self.fake)
         self.foreign: set[str] = set()
 
     async def service(self) -> Service:
-        svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file))
+        svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file), self.kernel)
         svc.events = self.events = Recorder()
         await svc.start()
         return svc

@@ -1,0 +1,186 @@
+"""Interrupt and workqueue isolation: the kernel adapter on a fake /proc and /sys, irqbalance's
+socket, and the ordering in the reconcile transaction with the fake systemd."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from cpuservice import config as config_mod
+from cpuservice.cpuset import CPUSet
+from cpuservice.irqs import (
+    IRQS,
+    WORKQUEUES,
+    Irqbalance,
+    Kernel,
+    hex_mask,
+    parse_hex_mask,
+    write_irqs,
+)
+from tests.unit.fake_systemd import Crash, FakeSystemd
+from tests.unit.test_service_fake import BIND, OPERATIONS, Host, _setup, agree, check_window, run
+
+
+def test_hex_masks() -> None:
+    assert hex_mask(CPUSet.parse("0-7")) == "000000ff"
+    assert hex_mask(CPUSet.parse("0,33")) == "00000002,00000001"
+    for text in ("0", "1-3,40-41,63", "0-127"):
+        assert parse_hex_mask(hex_mask(CPUSet.parse(text))) == CPUSet.parse(text)
+
+
+def fake_proc(tmp: Path, irqs: list[int]) -> tuple[Path, Path]:
+    proc, sys = tmp / "proc", tmp / "sys"
+    for irq in irqs:
+        (proc / "irq" / str(irq)).mkdir(parents=True)
+        (proc / "irq" / str(irq) / "smp_affinity_list").write_text("0-15\n")
+    (proc / "irq" / "default_smp_affinity").write_text("ffff\n")
+    (sys / "devices/virtual/workqueue").mkdir(parents=True)
+    (sys / "devices/virtual/workqueue/cpumask").write_text("ffff\n")
+    return proc, sys
+
+
+def test_the_oneshot_confines_what_moves_and_reports_the_rest(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    proc, _ = fake_proc(tmp_path, [0, 1, 4, 24])
+    original = Path.write_text
+
+    def kernel_says(self: Path, text: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.parent.name == "0":  # the timer: per-CPU, the kernel refuses
+            raise OSError(errno.EIO, "Input/output error")
+        return original(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", kernel_says)
+    shared = CPUSet.parse("0-3,8-11")
+    report = write_irqs(proc / "irq", shared)
+    assert (proc / "irq/4/smp_affinity_list").read_text() == "0-3,8-11"
+    assert (proc / "irq/default_smp_affinity").read_text() == "00000f0f"
+    assert report.confined == [1, 4, 24] and report.unmovable == [0]
+
+
+def test_the_daemon_has_systemd_run_the_oneshot(tmp_path: Path) -> None:
+    fake = FakeSystemd()
+    kernel = Kernel(fake, tmp_path, Irqbalance(str(tmp_path / "none")))  # type: ignore[arg-type]
+    (tmp_path / "irqs-report.json").write_text(
+        json.dumps({"cpus": "0-3", "confined": [1, 4], "unmovable": [0]}))
+    asyncio.run(kernel.set_cpus(IRQS, CPUSet.parse("0-3")))
+    start = next(w for w in fake.writes if w.member == "StartTransientUnit")
+    assert start.unit.startswith("cpuservice-irqs-") and start.unit.endswith(".service")
+    argv = start.props["ExecStart"][0][1]
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3:] == [
+        "sh", "0000000f", "0-3", str(tmp_path / "irqs-report.json")]
+    assert start.props["Type"] == "oneshot"
+    assert kernel.report.confined == [1, 4] and kernel.report.unmovable == [0]
+    assert asyncio.run(kernel.get_cpus(IRQS)) == CPUSet.parse("0-3")
+
+
+def test_irqbalance_is_told_its_banned_cpus(tmp_path: Path, monkeypatch) -> None:
+    run_dir = tmp_path / "irqbalance"
+    run_dir.mkdir()
+    path = run_dir / "irqbalance1234.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    got: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            got.append(conn.recv(4096))
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    monkeypatch.setattr("cpuservice.irqs._all_cpus", lambda: CPUSet.parse("0-15"))
+    assert Irqbalance(str(run_dir)).ban(CPUSet.parse("0-3"))
+    thread.join(5)
+    server.close()
+    assert got == [b"settings cpus 4-15"]
+
+
+ISOLATE = {"isolate_irqs": True, "isolate_workqueues": True}
+
+
+def test_interrupts_leave_before_an_allocation_arrives(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path, **ISOLATE)
+        svc = await host.service()
+        steps = [lambda: _setup(svc), lambda: svc.resize("keep", "5"),
+                 lambda: (host.offline({15}), svc.revalidate(full=False))[1],
+                 lambda: svc.release("keep")]
+        for step in steps:
+            mark, before = host.fake.mark(), svc.ledger.exclusive
+            await step()
+            check_window(host.fake, mark, before | svc.ledger.exclusive)
+            for holder in (IRQS, WORKQUEUES):
+                assert host.fake.cpus(holder) == svc.ledger.shared
+        agree(svc, host.fake)
+    run(body)
+
+
+@pytest.mark.parametrize("op", ["allocate", "release", "resize-up", "repair"])
+def test_a_failure_or_crash_at_the_kernel_step(tmp_path: Path, op: str) -> None:
+    for crash in (False, True):
+        async def body(crash: bool = crash) -> None:
+            host = Host(tmp_path / f"{op}-{crash}", **ISOLATE)
+            svc = await host.service()
+            await _setup(svc)
+            exclusive = svc.ledger.exclusive
+            mark = host.fake.mark()
+            real = host.kernel.set_cpus
+
+            async def refuse(holder: str, cpus: CPUSet) -> None:
+                if holder == IRQS:
+                    if crash:
+                        raise Crash()
+                    from cpuservice.irqs import IsolationFailed
+                    raise IsolationFailed("injected")
+                await real(holder, cpus)
+
+            host.kernel.set_cpus = refuse  # type: ignore[method-assign]
+            try:
+                await OPERATIONS[op](svc, host)
+            except Exception:
+                pass
+            except Crash:
+                pass
+            host.kernel.set_cpus = real  # type: ignore[method-assign]
+            svc = await host.service() if crash else svc
+            check_window(host.fake, mark, exclusive | svc.ledger.exclusive)
+            agree(svc, host.fake)
+        run(body)
+
+
+def test_isolation_off_gives_interrupts_every_cpu(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path, **ISOLATE)
+        svc = await host.service()
+        await svc.allocate("b", "4", BIND, 0)
+        assert host.fake.cpus(IRQS) == svc.ledger.shared != svc.ledger.online
+        host.cfg = config_mod.validate({**host.cfg.__dict__, "isolate_irqs": False,
+                                        "isolate_workqueues": False})
+        svc = await host.service()
+        assert host.fake.cpus(IRQS) == host.fake.cpus(WORKQUEUES) == svc.ledger.online
+    run(body)
+
+
+def test_the_oneshot_script_on_a_fake_proc(tmp_path: Path) -> None:
+    """The shell the oneshot runs: affinities written, the refused ones reported (a directory
+    stands in for a file the kernel refuses)."""
+    import subprocess
+
+    from cpuservice.irqs import SET_IRQS
+    proc, _ = fake_proc(tmp_path, [1, 4, 24])
+    (proc / "irq/0/smp_affinity_list").mkdir(parents=True)  # writing fails, like EIO
+    report = tmp_path / "report.json"
+    script = SET_IRQS.replace("/proc/irq", str(proc / "irq"))
+    subprocess.run(["/bin/sh", "-c", script, "sh", "00000f0f", "0-3,8-11", str(report)],
+                   check=True)
+    assert json.loads(report.read_text()) == {"cpus": "0-3,8-11", "confined": [1, 24, 4],
+                                              "unmovable": [0]}
+    assert (proc / "irq/4/smp_affinity_list").read_text() == "0-3,8-11\n"
+    assert (proc / "irq/default_smp_affinity").read_text() == "00000f0f\n"
