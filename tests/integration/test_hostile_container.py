@@ -140,3 +140,17 @@ def test_release_removes_the_runtime_overrides_it_made(daemon: ServiceHost) -> N
         daemon.c.run(["systemctl", "stop", "persist.service"], check=False)
         unit_file.unlink()
         daemon.c.run(["systemctl", "daemon-reload"])
+
+
+def test_the_journal_knows_priorities_and_the_daemons_name(daemon: ServiceHost) -> None:
+    daemon.configure("b")
+    daemon.stop()
+    daemon.c.run(["sh", "-c", "echo garbage > /var/lib/cpuservice/state.json"])
+    daemon.start()  # logs an error: the checkpoint is set aside
+
+    def journal(*args: str) -> str:
+        return daemon.c.run(["journalctl", "-u", "cpuservice.service", "--no-pager", "-o",
+                             "cat", "-t", "cpuserviced", *args]).stdout
+
+    assert "serving" in journal("-p", "info") and "serving" not in journal("-p", "err")
+    assert "set aside" in journal("-p", "err") or "kept it as" in journal("-p", "err")

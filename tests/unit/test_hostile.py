@@ -373,3 +373,12 @@ def test_turning_confine_host_off_gives_the_host_every_cpu(tmp_path: Path) -> No
         assert all(not host.fake.cpus(u) for u in CONFINED) and not mark.exists()
         assert host.fake.cpus("cpuservice-shared.slice") == svc.ledger.shared
     run(body)
+
+
+def test_log_lines_carry_their_syslog_priority() -> None:
+    import logging
+
+    from cpuservice.daemon import JournalFormatter
+    record = logging.LogRecord("cpuservice.engine", logging.ERROR, "x", 1, "rolled back: %s",
+                               ("why",), None)
+    assert JournalFormatter().format(record) == "<3>ERROR cpuservice.engine: rolled back: why"
