@@ -15,7 +15,7 @@ from typing import Any
 
 from dbus_fast import Message, MessageType
 
-from . import dbuscall, topoview
+from . import __version__, dbuscall, topoview
 from .client import (
     ALLOCATION,
     DEST,
@@ -62,14 +62,33 @@ def options_of(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _global_options(top: bool) -> argparse.ArgumentParser:
+    """The options every command takes, before or after the verb (as systemctl's): the top
+    parser sets the defaults, each command's only what is given after the verb."""
+    g = argparse.ArgumentParser(add_help=False)
+    kw: dict[str, Any] = {} if top else {"default": argparse.SUPPRESS}
+    g.add_argument("-j", "--json", action="store_true", help="machine-readable output", **kw)
+    g.add_argument("--no-ask-password", action="store_true",
+                   help="do not ask for a password when polkit wants one", **kw)
+    g.add_argument("--bus-address", help="D-Bus address instead of the system bus", **kw)
+    g.add_argument("--no-color", action="store_true", help="no colours even on a terminal",
+                   **kw)
+    g.add_argument("--no-pager", action="store_true", help="accepted; output is not paged",
+                   **kw)
+    return g
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cpuservicectl", description="Control cpuserviced.")
-    p.add_argument("--json", action="store_true", help="machine-readable output (reads)")
-    p.add_argument("--no-ask-password", action="store_true",
-                   help="do not ask for a password when polkit wants one")
-    p.add_argument("--bus-address", help="D-Bus address instead of the system bus")
-    p.add_argument("--no-color", action="store_true", help="no colours even on a terminal")
+    p = argparse.ArgumentParser(prog="cpuservicectl", description="Control cpuserviced.",
+                                parents=[_global_options(True)])
+    p.add_argument("--version", action="version", version=__version__)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub_parser = sub.add_parser
+
+    def command_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        return sub_parser(name, parents=[_global_options(False)], **kw)
+
+    sub.add_parser = command_parser  # type: ignore[method-assign]
     sub.add_parser("status", help="pools, counts, degraded allocations")
     sub.add_parser("list", help="all allocations")
     show = sub.add_parser("show", help="one allocation's properties")
@@ -257,6 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cpuservicectl: {exc.text}", file=sys.stderr)
         return exit_code(exc)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # `cpuservicectl topology | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except (OSError, ConnectionError) as exc:
         print(f"cpuservicectl: cannot reach cpuserviced: {exc}", file=sys.stderr)

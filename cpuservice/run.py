@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from . import dbuscall
+from . import __version__, dbuscall
 from .client import ALLOCATION, EXIT_FAILURE, Client, exit_code
 from .ctl import add_option_args, options_of
 
@@ -35,6 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scope", action="store_true", help="run in a transient scope (default)")
     p.add_argument("--no-ask-password", action="store_true")
     p.add_argument("--bus-address", help="D-Bus address instead of the system bus")
+    p.add_argument("--version", action="version", version=__version__)
     return p
 
 
@@ -42,6 +43,8 @@ def split(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], list[str]
     """(our options, systemd-run options, command)."""
     argv = list(argv)
     if "--" not in argv:
+        if {"-h", "--help", "--version"} & set(argv):
+            parser().parse_args(argv)  # prints and exits
         parser().error("missing -- before the command")
     cut = argv.index("--")
     ours, passthrough = parser().parse_known_args(argv[:cut])
