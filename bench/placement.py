@@ -1,10 +1,12 @@
-"""Placement benchmark: latency of one ``place`` call, and a 10,000-operation churn.
+"""Placement benchmark: latency of one ``place`` call, a 10,000-operation churn, and the slowest
+``capacity`` call among hostile request shapes.
 
 Prints, last:
     placement_p50_us cpus=64 <float>
     placement_p50_us cpus=1024 <float>
     churn topology=2x32x2 ops=10000 success=<0..1> numa_avoidable_spans=<int> \
 smt_split_full_pcpus=<int> fragmented_cores=<int>
+    capacity_worst_us cpus=1024 <float>
 """
 
 from __future__ import annotations
@@ -125,6 +127,51 @@ def churn(topology: Topology, ops: int) -> tuple[float, int, int, int]:
     return successes / attempts, spans, splits, _fragmented_cores(topology, ledger)
 
 
+# Shapes that make capacity count long (fractions: 100 or 1,000 per free CPU; one CPU, or one CPU
+# and a fraction: one per free CPU) or walk the NUMA and exclusivity rules.
+CAPACITY_SHAPES: tuple[tuple[str, dict[str, str], int], ...] = (
+    ("0.01", {}, 100), ("0.001", {}, 1000), ("1", {}, 100), ("1.01", {}, 100),
+    ("1.001", {}, 1000), ("2.01", {}, 100), ("1.5", {}, 100),
+    ("2", {"policy": "full-pcpus"}, 100), ("2.01", {"policy": "full-pcpus"}, 100),
+    ("1.01", {"policy": "spread-pcpus", "numa-alignment": "none"}, 100),
+    ("1", {"exclusive": "numa"}, 100), ("1.01", {"exclusive": "numa"}, 100),
+    ("1.01", {"exclusive": "pcpu"}, 100), ("3", {"exclusive": "pcpu"}, 100),
+    ("4", {"numa-alignment": "single-numa-node"}, 100),
+    ("1.01", {"numa-alignment": "single-numa-node", "numa-strategy": "least-allocated"}, 100),
+    ("2.01", {"numa-strategy": "distribute-evenly"}, 100),
+    ("200", {"numa-alignment": "restricted"}, 100),
+)
+
+
+def _busy(topology: Topology, granularity: int, allocations: int) -> Ledger:
+    """About ``allocations`` allocations (a fifth unbound, small fractions, one or two CPUs)
+    leaving most of the machine free, which is what makes capacity count long."""
+    rng = random.Random(SEED)
+    ledger = Ledger(topology.online, granularity=granularity)
+    for i in range(allocations):
+        amount = rng.choice(("0.05", "0.1", "0.25", "0.5", "1", "2"))
+        request = Request.parse(amount, {"bind": rng.random() < 0.8})
+        with contextlib.suppress(InsufficientCPUs):
+            ledger, _ = placement.allocate(topology, ledger, f"b{i}", request)
+    return ledger
+
+
+def capacity_worst_us(topology: Topology, allocations: int, rounds: int = 3) -> float:
+    """The slowest of CAPACITY_SHAPES (each the median of ``rounds`` calls) with about
+    ``allocations`` allocations present."""
+    ledgers = {g: _busy(topology, g, allocations) for g in (100, 1000)}
+    worst = 0.0
+    for cpus, options, granularity in CAPACITY_SHAPES:
+        request = Request.parse(cpus, {"bind": True, **options})
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter_ns()
+            placement.capacity(topology, ledgers[granularity], request)
+            times.append(time.perf_counter_ns() - start)
+        worst = max(worst, statistics.median(times) / 1000)
+    return worst
+
+
 def main() -> int:
     t64 = _topology(Machine(2, 16, 2, nodes=2, l3_cores=8))
     t1024 = _topology(MACHINES["e"])
@@ -132,10 +179,12 @@ def main() -> int:
     p64 = placement_p50_us(t64, 3000)
     p1024 = placement_p50_us(t1024, 600)
     success, spans, splits, fragmented = churn(epyc, 10_000)
+    capacity_us = capacity_worst_us(t1024, 1000)
     print(f"placement_p50_us cpus=64 {p64:.1f}")
     print(f"placement_p50_us cpus=1024 {p1024:.1f}")
     print(f"churn topology=2x32x2 ops=10000 success={success:.3f} numa_avoidable_spans={spans} "
           f"smt_split_full_pcpus={splits} fragmented_cores={fragmented}")
+    print(f"capacity_worst_us cpus=1024 {capacity_us:.1f}")
     return 0
 
 

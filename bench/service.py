@@ -6,6 +6,7 @@ Prints, last:
     checkpoint_scale allocations=3000 ratio <float>
     systemd_shared_slice_set_us children=0 <float> children=3000 <float>
     idle_cpu_percent allocations=3000 <float> rss_mb <float>
+    worst_call_ms cpus=1024 allocations=1000 <float> (<the slowest call>)
 
 floor = StartTransientUnit of an equivalent slice (until its job is done) + one
 SetUnitProperties, measured by the same client on the same bus, interleaved with the Allocate
@@ -18,6 +19,7 @@ allocation and with 3,000 of them below it (systemd walks the slice's subtree).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -97,6 +99,62 @@ async def populate(address: str, start: int, n: int) -> None:
         bus.disconnect()
 
 
+def _hostile_calls() -> list[tuple[str, str, list[object]]]:
+    bind = {"bind": Variant("b", True)}
+    calls: list[tuple[str, str, list[object]]] = []
+    for amount in ("0.01", "0.99", "1", "1.01", "2", "7.5", "64", "1000"):
+        for extra in ({}, {"policy": Variant("s", "full-pcpus")},
+                      {"policy": Variant("s", "spread-pcpus")},
+                      {"exclusive": Variant("s", "pcpu")}, {"exclusive": Variant("s", "numa")},
+                      {"numa-alignment": Variant("s", "single-numa-node")},
+                      {"numa-alignment": Variant("s", "restricted")},
+                      {"numa-strategy": Variant("s", "distribute-evenly")}):
+            calls.append(("Capacity", "sa{sv}", [amount, {**bind, **extra}]))
+            calls.append(("Plan", "sa{sv}", [amount, {**bind, **extra}]))
+    for text in (",".join(["0-8191"] * 14000), "0-1023", ",".join(map(str, range(0, 1024, 2))),
+                 "0-" + "9" * 5000):
+        calls.append(("Plan", "sa{sv}", ["2", {**bind, "cpuset": Variant("s", text)}]))
+    calls.append(("Capacity", "sa{sv}", ["0.01", {}]))
+    calls.append(("ListAllocations", "", []))
+    calls.append(("Allocate", "ssa{sv}", ["x" * 100_000, "1", bind]))
+    calls.append(("Allocate", "ssa{sv}", ["a" + "-" * 63, "1", bind]))
+    calls.append(("Attach", "sau", ["b0", list(range(4_000_000, 4_000_000 + 300))]))
+    calls.append(("Resize", "ss", ["b0", "999999.999999"]))
+    return calls
+
+
+async def worst_call(address: str) -> tuple[float, str]:
+    bus = await client.connect(address)
+    worst, what = 0.0, ""
+    try:
+        for member, signature, body in _hostile_calls():
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                with contextlib.suppress(client.CallError):
+                    await client.call(bus, member, signature, body)
+                times.append(time.perf_counter() - start)
+            took = statistics.median(times) * 1000
+            if took > worst:
+                worst, what = took, f"{member} {str(body)[:60]}"
+    finally:
+        bus.disconnect()
+    return worst, what
+
+
+async def populate_mixed(address: str, n: int) -> None:
+    """n allocations on a big machine: a third bound whole, a third fractional, a third not."""
+    bus = await client.connect(address)
+    bind = {"bind": Variant("b", True)}
+    try:
+        for i in range(n):
+            name, kind = f"b{i}", i % 3
+            cpus, opts = (("1", bind), ("0.3", bind), ("0.5", {}))[kind]
+            await client.call(bus, "Allocate", "ssa{sv}", [name, cpus, opts])
+    finally:
+        bus.disconnect()
+
+
 def _cpu_seconds(pid: int, root: Path) -> float:
     fields = (root / f"proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -124,6 +182,9 @@ def main() -> int:
         rss_kb = next(int(line.split()[1]) for line in
                       (proc / f"proc/{pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS:"))
+        daemon.configure("e", max_allocations_per_user=0)
+        asyncio.run(populate_mixed(address, 1000))
+        worst_ms, worst_what = asyncio.run(worst_call(address))
         daemon.stop(wipe=True)
     print(f"allocate_bound_p50_us {alloc_us:.1f} floor_p50_us {floor_us:.1f} "
           f"ratio {alloc_us / floor_us:.2f}")
@@ -132,6 +193,7 @@ def main() -> int:
     print(f"systemd_shared_slice_set_us children=0 {empty_set_us:.1f} "
           f"children=3000 {crowded_set_us:.1f}")
     print(f"idle_cpu_percent allocations=3000 {idle:.2f} rss_mb {rss_kb / 1024:.1f}")
+    print(f"worst_call_ms cpus=1024 allocations=1000 {worst_ms:.1f} ({worst_what})")
     return 0
 
 

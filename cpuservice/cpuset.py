@@ -7,20 +7,35 @@ Speaks the Linux cpu-list format (``"0-3,8,10-11"``) and systemd's ``AllowedCPUs
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
 
 MAX_CPU_ID = 8191  # the kernel's largest NR_CPUS
+
+MAX_TEXT = 32768
+"""Longest cpu-list string parse() accepts, in characters (whitespace included). The longest
+canonical list of ids 0..MAX_CPU_ID (what format() and the kernel write; pairs such as
+``1000-1001,1003-1004``) has 26,568 characters, so every list either writes parses, while a
+caller's string costs at most this much work (parsing is linear in the text plus the result)."""
 
 
 class CPUSetError(ValueError):
     """A cpu-list string or mask that cannot be parsed; the message names the bad part."""
 
 
+def _show(text: str, limit: int = 40) -> str:
+    """repr() of a piece of a caller's text, shortened so that errors stay readable."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
+
+
 def _parse_id(text: str, part: str) -> int:
     if not text.isascii() or not text.isdigit():
-        raise CPUSetError(f"bad CPU id {text!r} in {part!r}")
-    value = int(text)
+        raise CPUSetError(f"bad CPU id {_show(text)} in {_show(part)}")
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(MAX_CPU_ID)):  # and int() refuses thousands of digits
+        raise CPUSetError(f"CPU id {_show(text)} in {_show(part)} is larger than {MAX_CPU_ID}")
+    value = int(digits)
     if value > MAX_CPU_ID:
-        raise CPUSetError(f"CPU id {value} in {part!r} is larger than {MAX_CPU_ID}")
+        raise CPUSetError(f"CPU id {value} in {_show(part)} is larger than {MAX_CPU_ID}")
     return value
 
 
@@ -49,21 +64,38 @@ class CPUSet:
 
     @classmethod
     def parse(cls, text: str) -> CPUSet:
-        """Parse the Linux cpu-list format; ``""`` and a trailing newline are accepted."""
+        """Parse the Linux cpu-list format; ``""`` and a trailing newline are accepted.
+
+        At most MAX_TEXT characters. The ranges are merged before they are expanded, so the
+        cost is linear in the text plus the result (``0-8191`` repeated expands once).
+        """
+        if len(text) > MAX_TEXT:
+            raise CPUSetError(
+                f"cpu list of {len(text)} characters is longer than the {MAX_TEXT} allowed "
+                "(write runs of CPUs as ranges: 0-7,16-23)"
+            )
         body = text.strip()
         if not body:
             return EMPTY
-        ids: set[int] = set()
+        ranges: list[tuple[int, int]] = []
         for part in body.split(","):
             if not part:
-                raise CPUSetError(f"empty element in cpu list {text.strip()!r}")
+                raise CPUSetError(f"empty element in cpu list {_show(body)}")
             first, sep, last = part.partition("-")
             low = _parse_id(first, part)
             high = _parse_id(last, part) if sep else low
             if high < low:
-                raise CPUSetError(f"descending range {part!r}")
-            ids.update(range(low, high + 1))
-        return cls._trusted(frozenset(ids))
+                raise CPUSetError(f"descending range {_show(part)}")
+            ranges.append((low, high))
+        ranges.sort()
+        merged: list[tuple[int, int]] = []
+        for low, high in ranges:
+            if merged and low <= merged[-1][1] + 1:
+                if high > merged[-1][1]:
+                    merged[-1] = (merged[-1][0], high)
+            else:
+                merged.append((low, high))
+        return cls._trusted(frozenset(chain.from_iterable(range(lo, hi + 1) for lo, hi in merged)))
 
     @classmethod
     def from_mask(cls, mask: bytes) -> CPUSet:

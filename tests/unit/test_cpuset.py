@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cpuservice.cpuset import MAX_CPU_ID, CPUSet, CPUSetError
+from cpuservice.cpuset import MAX_CPU_ID, MAX_TEXT, CPUSet, CPUSetError
+from cpuservice.errors import InvalidArgument
+from cpuservice.request import Request
 
 
 @pytest.mark.parametrize(
@@ -69,3 +73,49 @@ def test_roundtrips(ids: frozenset[int]) -> None:
     assert CPUSet.parse(s.format()) == s
     assert CPUSet.from_mask(s.to_mask()) == s
     assert CPUSet.parse(s.format() + "\n") == s
+
+
+def test_longest_canonical_list_fits_the_limit() -> None:
+    """Runs of two (``1000-1001,1003-1004``) make the longest text a set of ids can have."""
+    longest = CPUSet(c for c in range(MAX_CPU_ID + 1) if c % 3 != 2)
+    assert 26_000 < len(longest.format()) <= MAX_TEXT - 1
+    assert CPUSet.parse(longest.format() + "\n") == longest
+
+
+def test_text_over_the_limit_is_rejected_at_once() -> None:
+    text = ",".join(["0-8191"] * (137 * 1024 // 7))  # 137 KiB: took seconds to expand
+    start = time.perf_counter()
+    with pytest.raises(CPUSetError, match=f"{len(text)} characters .* {MAX_TEXT} allowed"):
+        CPUSet.parse(text)
+    with pytest.raises(InvalidArgument, match=f"option 'cpuset': .*{MAX_TEXT}"):
+        Request.parse("8192", {"bind": True, "cpuset": text})
+    assert time.perf_counter() - start < 0.05
+
+
+def test_long_lists_parse_in_time_linear_in_text_and_result() -> None:
+    evens = ",".join(str(c) for c in range(0, MAX_CPU_ID + 1, 2))
+    repeated = ",".join(["0-8191"] * (MAX_TEXT // 7))  # each range expanded once, merged
+    start = time.perf_counter()
+    assert CPUSet.parse(evens) == CPUSet(range(0, MAX_CPU_ID + 1, 2))
+    assert len(CPUSet.parse(repeated)) == MAX_CPU_ID + 1
+    assert CPUSet.parse("5-9,0-3,2-6,12,11") == CPUSet.parse("0-9,11-12")
+    assert time.perf_counter() - start < 0.25  # a few ms; seconds before
+
+
+def test_mask_and_format_of_every_cpu_are_quick() -> None:
+    start = time.perf_counter()
+    everything = CPUSet.from_mask(b"\xff" * ((MAX_CPU_ID + 1) // 8))
+    assert len(everything) == MAX_CPU_ID + 1
+    assert CPUSet(range(0, MAX_CPU_ID + 1, 2)).format().count(",") == 4095
+    assert len(everything.to_mask()) == 1024
+    assert time.perf_counter() - start < 0.25
+
+
+def test_huge_ids_are_errors_not_crashes() -> None:
+    assert CPUSet.parse("0" * 5000 + "7") == CPUSet([7])
+    with pytest.raises(CPUSetError, match="larger than") as info:
+        CPUSet.parse("1-" + "9" * 5000)  # int() refuses that many digits
+    assert len(str(info.value)) < 200
+    with pytest.raises(CPUSetError, match="bad CPU id") as info:
+        CPUSet.parse("x" * 10_000)
+    assert len(str(info.value)) < 200
