@@ -10,6 +10,7 @@ one core, and a single thread goes to a partly used core.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
@@ -184,6 +185,8 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
     pieces = int(request.fraction * ledger.granularity)
     if request.whole == 0:
         return _fragment_capacity(ledger, pieces)
+    if ledger.free_isolated:  # isolated CPUs first (take_whole): replayed, at most free / X
+        return _replay(topology, ledger, request)
     if not pieces and request.options.exclusive != "numa":
         opts = request.options
         cands = candidates(topology, ledger, opts, opts.exclusive)
@@ -775,10 +778,29 @@ def take_whole(
     for avoid in attempts:
         cands = candidates(topology, ledger, opts, avoid) - anchor.ids
         try:
-            return CPUSet(_take_in_nodes(topology, ledger, cands, n, opts, anchor))
+            return CPUSet(_isolated_first(topology, ledger, cands, n, opts, anchor))
         except InsufficientCPUs as exc:
             error = exc
     raise error
+
+
+def _isolated_first(
+    topology: Topology, ledger: Ledger, cands: set[int], n: int, opts: Options, anchor: CPUSet
+) -> list[int]:
+    """Free isolated CPUs (kernel isolcpus: never shared, meant for bound work) come first: a
+    request they can hold takes them, and one the shared pool's budget cannot cover takes all
+    of them and the rest from the shared pool (not where NUMA alignment is strict)."""
+    iso = cands & ledger.free_isolated.ids
+    if iso and len(iso) >= n:
+        with contextlib.suppress(InsufficientCPUs):
+            return _take_in_nodes(topology, ledger, set(iso), n, opts, anchor)
+    got = _take_in_nodes(topology, ledger, cands, n, opts, anchor)
+    if (iso and len(iso) < n and len(set(got) - iso) > ledger.shared_budget
+            and opts.numa_alignment not in ("restricted", "single-numa-node")):
+        rest = _take_in_nodes(topology, ledger, cands - iso, n - len(iso), opts,
+                              anchor | CPUSet(iso))
+        return sorted(iso) + rest
+    return got
 
 
 def _take_in_nodes(

@@ -382,3 +382,24 @@ def test_log_lines_carry_their_syslog_priority() -> None:
     record = logging.LogRecord("cpuservice.engine", logging.ERROR, "x", 1, "rolled back: %s",
                                ("why",), None)
     assert JournalFormatter().format(record) == "<3>ERROR cpuservice.engine: rolled back: why"
+
+
+def test_kernel_isolated_cpus_serve_bound_allocations(tmp_path: Path) -> None:
+    """With isolcpus=2-7 on 8 CPUs (2 shared, min 1), bound requests take isolated CPUs first,
+    and one larger than them takes them all plus what the shared pool can spare."""
+    import dataclasses
+
+    from cpuservice import placement
+    from cpuservice.fixtures import MACHINES, write_sysfs
+    from cpuservice.pools import Ledger
+    from cpuservice.request import Request
+    from cpuservice.topology import discover
+
+    machine = dataclasses.replace(MACHINES["lab"], isolated=frozenset(range(2, 8)))
+    t = discover(write_sysfs(tmp_path, machine))
+    ledger = Ledger(t.online, isolated=t.isolated & t.online)
+    got = {n: placement.place(t, ledger, Request.parse(n, {"bind": True})).cpus
+           for n in ("1", "2", "6", "7")}
+    assert got["2"] <= t.isolated and len(got["2"]) == 2
+    assert got["6"] == t.isolated and len(got["7"]) == 7
+    assert placement.capacity(t, ledger, Request.parse("2", {"bind": True})) == 3
