@@ -159,5 +159,5 @@ class Allocation(ServiceInterface):
     @method()
     @boundary
     async def Release(self) -> None:
-        await self.manager.authorize_for(self.allocation)
-        await self.service.release(self.allocation)
+        _, serial = await self.manager.authorize_for(self.allocation)
+        await self.service.release(self.allocation, serial=serial)

@@ -9,7 +9,6 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from dbus_fast import BusType, RequestNameReply
 
@@ -36,6 +35,7 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
     lifetime = Lifetime(engine)
     service = Service(engine, lifetime)
     lifetime.release = service.release
+    lifetime.serial = service.serial
     systemd.on_unit_removed = lifetime.on_unit_removed
     systemd.on_unit_new = lifetime.on_unit_new
     systemd.on_unit_state = lifetime.on_unit_state
@@ -57,7 +57,7 @@ async def serve(cfg: config.Config) -> int:
         log.error("no CPU hotplug events (%s): call Revalidate() after CPUs change", exc)
         monitor = None
     service = assemble(cfg, systemd, Store(cfg.state_file),
-                       Kernel(systemd, Path(cfg.state_file).parent))
+                       Kernel(systemd, os.environ.get("RUNTIME_DIRECTORY", "/run/cpuservice")))
     debouncer.settled = lambda: service.revalidate(full=False)
     loop = asyncio.get_running_loop()
     if monitor is not None:

@@ -135,7 +135,9 @@ class Kernel:
         unit = f"cpuservice-{what}-{self._tag}-{self._runs}.service"
         report = self._report_path(holder)
         script = SET_IRQS if holder == IRQS else SET_WORKQUEUES
-        argv = ["/bin/sh", "-c", script, "sh", hex_mask(cpus), cpus.format(), str(report)]
+        # systemd expands $NAME and ${NAME} in ExecStart= (also over D-Bus): $$ is a plain $
+        argv = ["/bin/sh", "-c", script.replace("$", "$$"), "sh", hex_mask(cpus), cpus.format(),
+                str(report)]
         props: Props = {
             "Description": ("s", f"cpuservice: {what} on CPUs {cpus.format()}"),
             "Type": ("s", "oneshot"),
@@ -197,7 +199,6 @@ class Irqbalance:
     latest one, every second until irqbalance takes it."""
 
     RETRY_SECONDS = 1.0
-    GIVE_UP_SECONDS = 120.0
 
     def __init__(self, run_dir: str = "/run/irqbalance") -> None:
         self.run_dir = Path(run_dir)
@@ -238,13 +239,13 @@ class Irqbalance:
         return sent
 
     async def _again(self) -> None:
-        waited = 0.0
-        while waited < self.GIVE_UP_SECONDS:
+        """Send the latest command again every second until every running irqbalance took it
+        (or none runs any more)."""
+        while True:
             await asyncio.sleep(self.RETRY_SECONDS)
-            waited += self.RETRY_SECONDS
-            if self._latest is None or self._send(self.sockets(), self._latest):
+            paths = self.sockets()
+            if self._latest is None or not paths or self._send(paths, self._latest):
                 return
-        log.error("irqbalance did not take %r in %.0f s", self._latest, self.GIVE_UP_SECONDS)
 
 
 def _all_cpus() -> CPUSet:

@@ -33,9 +33,11 @@ class Lifetime:
     """Watches the units of lifetime=unit allocations; ``release`` ends an allocation."""
 
     def __init__(self, engine: Engine,
-                 release: Callable[[str, str], Awaitable[None]] | None = None) -> None:
+                 release: Callable[[str, str, int | None], Awaitable[None]] | None = None,
+                 serial: Callable[[str], int | None] = lambda name: None) -> None:
         self.engine = engine
         self.release = release
+        self.serial = serial
         self._watched: dict[str, str] = {}  # unit object path -> allocation name
         self._tracked: set[str] = set()  # the lifetime=unit allocations
         self._since: dict[str, float] = {}  # when each began to be followed (monotonic)
@@ -47,7 +49,7 @@ class Lifetime:
         One whose slice has had no process ``lifetime_grace_seconds`` from now (its caller
         died before Attach) is released then."""
         self._tracked.add(name)
-        self._since.setdefault(name, time.monotonic())
+        self._since[name] = time.monotonic()
         grace = self.engine.config.lifetime_grace_seconds
         asyncio.get_running_loop().call_later(grace + SETTLE_SECONDS, self.schedule)
 
@@ -113,27 +115,32 @@ class Lifetime:
         """Release lifetime=unit allocations whose unit ended; mark slices that got members."""
         await asyncio.sleep(SETTLE_SECONDS)  # let a burst of unit signals settle
         engine = self.engine
-        try:
-            for name in sorted(self._tracked):
-                if name not in engine.ledger.allocations:
-                    self._tracked.discard(name)
-                    continue
-                record = engine.state.records.get(name, Record())
-                if await ended(engine.systemd, record):
-                    if self.release is not None:
-                        await self.release(name, "its unit ended")
-                elif self._abandoned(name, record) and not (
-                    await engine.systemd.processes(record.unit)
-                ):
-                    if self.release is not None:
-                        await self.release(name, "no process joined its slice in time")
-                elif not record.populated and own_slice(record) and (
-                    await engine.systemd.processes(record.unit)
-                ):
-                    async with engine.lock:
-                        if name in engine.state.records:
-                            records = {**engine.state.records,
-                                       name: replace(engine.state.records[name], populated=True)}
-                            await engine.commit(State(engine.ledger, records), {name})
-        except CPUServiceError as exc:
-            log.error("lifetime check failed: %s", exc)
+        for name in sorted(self._tracked):
+            if name not in engine.ledger.allocations:
+                self._tracked.discard(name)
+                self._since.pop(name, None)
+                continue
+            try:
+                await self._check_one(name)
+            except CPUServiceError as exc:  # one allocation's trouble must not stop the others
+                log.error("lifetime check of %s failed: %s", name, exc)
+                asyncio.get_running_loop().call_later(5.0, self.schedule)
+
+    async def _check_one(self, name: str) -> None:
+        engine = self.engine
+        record = engine.state.records.get(name, Record())
+        serial = self.serial(name)  # release only this allocation, not a later one of its name
+        if await ended(engine.systemd, record):
+            if self.release is not None:
+                await self.release(name, "its unit ended", serial)
+        elif self._abandoned(name, record) and not await engine.systemd.processes(record.unit):
+            if self.release is not None:
+                await self.release(name, "no process joined its slice in time", serial)
+        elif not record.populated and own_slice(record) and (
+            await engine.systemd.processes(record.unit)
+        ):
+            async with engine.lock:
+                if name in engine.state.records:
+                    records = {**engine.state.records,
+                               name: replace(engine.state.records[name], populated=True)}
+                    await engine.commit(State(engine.ledger, records), {name})

@@ -5,6 +5,7 @@ the service answers anyone. A restart changes no unit that is already right."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -52,6 +53,7 @@ async def start(engine: Engine) -> None:
         new = State(ledger, state.records)
         check_invariants(ledger)
         engine.store.save(new)
+        mark_confinement(engine)  # before systemd confines anything: a crash cannot hide it
         await engine.sync(new)
         engine.state = new
         await confinement(engine)
@@ -62,6 +64,32 @@ async def start(engine: Engine) -> None:
 
 
 CONFINED_MARK = "host-confined"  # beside the checkpoint: the host units have the shared pool
+
+
+def _marks(engine: Engine) -> dict[str, Path]:
+    state_dir = Path(engine.config.state_file).parent
+    return {"host": state_dir / CONFINED_MARK,
+            **{h: state_dir / f"isolated-{h.split(':')[1]}" for h in KERNEL_HOLDERS}}
+
+
+def mark_confinement(engine: Engine) -> None:
+    """Remember what this configuration confines (confine_host, isolate_*)."""
+    marks = _marks(engine)
+    on = {"host": engine.config.confine_host,
+          **{h: h in kernel_holders(engine.config) for h in KERNEL_HOLDERS}}
+    for key, path in marks.items():
+        if on[key] and not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 async def confinement(engine: Engine) -> None:
@@ -131,16 +159,24 @@ async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
 
 
 async def vanished(systemd: SystemdAPI, state: State) -> list[str]:
-    """Allocations on foreign units that are no longer loaded, or masked: nothing to apply to
-    or restore (logged, then forgotten; they must never stop the daemon from starting)."""
+    """Allocations on foreign units that no longer exist (not found, masked, broken): nothing
+    to apply to or restore. They are logged, the runtime drop-ins cpuservice wrote for them
+    removed, and forgotten; they never stop the daemon from starting. (A unit that is merely
+    stopped, and unloaded by systemd, still exists: it keeps its allocation.)"""
     gone = []
     for name, record in state.records.items():
         if own_slice(record) or name not in state.ledger.allocations:
             continue
-        load = (await systemd.get(record.unit, UNIT_IFACE, ["LoadState"])).get("LoadState")
+        try:
+            load = await systemd.load_state(record.unit)
+        except CPUServiceError as exc:  # systemd could not say: keep it, ask again later
+            log.warning("allocation %s: cannot tell whether %s exists: %s", name, record.unit,
+                        exc)
+            continue
         if load != "loaded":
-            log.warning("allocation %s: its unit %s is %s", name, record.unit,
-                        load or "not loaded")
+            log.warning("allocation %s: its unit %s is %s; forgetting it", name, record.unit,
+                        load)
+            await systemd.remove_overrides(record.unit, record.fresh)
             gone.append(name)
     return gone
 

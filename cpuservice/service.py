@@ -166,6 +166,9 @@ class Service:
                 raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")
         if unit.startswith("cpuservice"):
             raise InvalidArgument(f"unit {unit!r} belongs to cpuservice itself")
+        if unit in units.CONFINED:
+            raise InvalidArgument(f"unit {unit!r} holds the shared pool (confine_host) and "
+                                  "cannot carry an allocation")
         current = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
         if not current:
             raise InvalidArgument(f"unit {unit!r} is not loaded")

@@ -167,6 +167,14 @@ class Systemd:
             raise
         return str(path)
 
+    async def load_state(self, unit: str) -> str:
+        """LoadState after asking systemd to load the unit: "loaded", "not-found", "masked",
+        "bad-setting", "error" (a stopped unit that systemd unloaded is still "loaded")."""
+        (path,) = await self.call("LoadUnit", "s", [unit])
+        (value,) = await self.call("Get", "ss", ["org.freedesktop.systemd1.Unit", "LoadState"],
+                                   path=str(path), interface=PROPERTIES)
+        return str(value.value)
+
     async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]:
         """Some properties of a loaded unit ({} when it is not loaded)."""
         path = await self.unit_path(unit)

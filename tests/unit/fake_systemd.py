@@ -148,6 +148,10 @@ class FakeSystemd:
             gone = set(dropin_paths(unit, names))
             u.props["DropInPaths"] = [p for p in u.props.get("DropInPaths", []) if p not in gone]
 
+    async def load_state(self, unit: str) -> str:
+        u = self.units.get(unit)
+        return "not-found" if u is None else str(u.props.get("LoadState", "loaded"))
+
     async def unit_path(self, unit: str) -> str | None:
         return self.path(unit) if unit in self.units else None
 

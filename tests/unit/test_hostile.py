@@ -403,3 +403,14 @@ def test_kernel_isolated_cpus_serve_bound_allocations(tmp_path: Path) -> None:
     assert got["2"] <= t.isolated and len(got["2"]) == 2
     assert got["6"] == t.isolated and len(got["7"]) == 7
     assert placement.capacity(t, ledger, Request.parse("2", {"bind": True})) == 3
+
+
+def test_a_holder_of_the_shared_pool_cannot_carry_an_allocation(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path, confine_host=True)
+        svc = await host.service()
+        for unit in CONFINED:
+            with pytest.raises(InvalidArgument, match="holds the shared pool"):
+                await svc.allocate("x", "1", {"bind": True, "unit": unit}, 0)
+        assert not svc.ledger.allocations
+    run(body)

@@ -16,6 +16,7 @@ from cpuservice import config as config_mod
 from cpuservice.cpuset import CPUSet
 from cpuservice.irqs import (
     IRQS,
+    SET_IRQS,
     WORKQUEUES,
     Irqbalance,
     Kernel,
@@ -72,6 +73,7 @@ def test_the_daemon_has_systemd_run_the_oneshot(tmp_path: Path) -> None:
     start = next(w for w in fake.writes if w.member == "StartTransientUnit")
     assert start.unit.startswith("cpuservice-irqs-") and start.unit.endswith(".service")
     argv = start.props["ExecStart"][0][1]
+    assert argv[2] == SET_IRQS.replace("$", "$$")  # systemd would expand $NAME itself
     assert argv[:2] == ["/bin/sh", "-c"] and argv[3:] == [
         "sh", "0000000f", "0-3", str(tmp_path / "irqs-report.json")]
     assert start.props["Type"] == "oneshot"

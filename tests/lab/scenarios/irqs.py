@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +66,35 @@ def serial_irq() -> int:
     return 4  # the first serial port's ISA line
 
 
+def irqbalance_banned() -> set[int] | None:
+    """The banned CPUs irqbalance works with now (its socket's ``setup`` answer)."""
+    for path in Path("/run/irqbalance").glob("irqbalance*.sock"):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(40)
+            s.connect(str(path))
+            s.sendall(b"setup")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        words = data.decode(errors="replace").split()
+        if "BANNED" in words:
+            value = int(words[words.index("BANNED") + 1].replace(",", ""), 16)
+            return {i for i in range(value.bit_length()) if value >> i & 1}
+    return None
+
+
+def await_irqbalance(banned: set[int], seconds: float = 60) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < seconds:
+        try:
+            if irqbalance_banned() == banned:
+                return time.monotonic() - start
+        except OSError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"FAILED STEP: irqbalance did not take the ban {sorted(banned)}")
+
+
 def configure(on: bool) -> None:
     if on:
         DROPIN.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +120,11 @@ async def check(irqbalance: bool) -> None:
     bound = parse((await c.allocations())["irqjob"][3])
     iso = {k: v.value for k, v in (await c.prop("IRQIsolation")).items()}  # type: ignore[attr-defined]
     online = parse(Path("/sys/devices/system/cpu/online").read_text().strip())
-    shared = online - bound
+    possible = parse(Path("/sys/devices/system/cpu/possible").read_text().strip())
+    shared = parse(str(await c.prop("SharedCPUs")))  # other scenarios' allocations may remain
+    if irqbalance:  # irqbalance 1.9.2 takes a new ban at its next rescan, up to 30 s later
+        took = await_irqbalance(possible - shared)
+        result(check="irqbalance", banned_after_s=took)
     with open(SERIAL, "wb", buffering=0):  # opening the port requests its interrupt
         irq = serial_irq()
         # x86 without interrupt remapping moves an interrupt when it is next acknowledged: the
@@ -98,9 +132,6 @@ async def check(irqbalance: bool) -> None:
         fire(0.3)
         before = interrupts()
         fire()
-        if irqbalance:
-            time.sleep(11)  # past irqbalance's 10 s rebalance: it must not move it back
-            fire()
         after = interrupts()
     movable = set(iso["confined"]) - set(iso["unmovable"])
     on_bound = {"movable": 0, "unmovable": 0}
