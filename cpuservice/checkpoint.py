@@ -106,7 +106,7 @@ def _checksum(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     directory = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(directory)
@@ -180,7 +180,7 @@ class Store:
             finally:
                 os.close(fd)
             if len_before == 0:
-                _fsync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
         except OSError as exc:
             raise CheckpointWriteError(f"cannot write {self.journal}: {exc.strerror}") from None
         self._rows, self._granularity = rows, granularity
@@ -198,7 +198,7 @@ class Store:
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(temp, self.path)
-            _fsync_dir(self.path.parent)
+            fsync_dir(self.path.parent)
         except OSError as exc:
             temp.unlink(missing_ok=True)
             raise CheckpointWriteError(f"cannot write {self.path}: {exc.strerror}") from None

@@ -5,13 +5,12 @@ the service answers anyone. A restart changes no unit that is already right."""
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
 from . import units
-from .checkpoint import CheckpointError, Record, State, from_payload
+from .checkpoint import CheckpointError, Record, State, from_payload, fsync_dir
 from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger, kernel_holders
 from .errors import CPUServiceError
 from .irqs import KERNEL_HOLDERS
@@ -81,38 +80,25 @@ def mark_confinement(engine: Engine) -> None:
         if on[key] and not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
-            _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_dir(path.parent)
 
 
 async def confinement(engine: Engine) -> None:
-    """With confine_host, remember that the host's units were given the shared pool; without
-    it, give them all CPUs back if an earlier run (or configuration) confined them. The Debian
-    package's prerm does the same on removal, also when the daemon is down."""
-    mark = Path(engine.config.state_file).with_name(CONFINED_MARK)
-    if engine.config.confine_host:
-        mark.touch()
-    elif mark.exists():
+    """Give every CPU back to what an earlier run (or configuration) confined and this one
+    does not: the host's units (confine_host), interrupts and workqueues (isolate_*). The
+    Debian package's prerm does the same on removal, also when the daemon is down."""
+    marks = _marks(engine)
+    if not engine.config.confine_host and marks["host"].exists():
         for unit in units.CONFINED:
             await engine.systemd.set_properties(unit, {"AllowedCPUs": ("ay", b"")},
                                                 missing_ok=True)
-        mark.unlink()
+        marks["host"].unlink()
         log.info("confine_host is off: %s have every CPU again", ", ".join(units.CONFINED))
-    holders = kernel_holders(engine.config)
     for holder in KERNEL_HOLDERS:
-        mark = Path(engine.config.state_file).with_name(f"isolated-{holder.split(':')[1]}")
-        if holder in holders:
-            mark.touch()
-        elif mark.exists() and engine.kernel is not None:
+        if (holder not in kernel_holders(engine.config) and marks[holder].exists()
+                and engine.kernel is not None):
             await engine.kernel.set_cpus(holder, engine.topology.online)
-            mark.unlink()
+            marks[holder].unlink()
             log.info("%s: isolation is off, every online CPU again", holder)
 
 

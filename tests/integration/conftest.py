@@ -72,3 +72,26 @@ def daemon(daemon_host: ServiceHost, containers: Containers) -> ServiceHost:
         daemon_host.install(containers.get())
     daemon_host.configure("a")
     return daemon_host
+
+
+# polkit grants the unprivileged caller of the access tests (nobody) the allocate action
+RULE = "/etc/polkit-1/rules.d/50-cpuservice-test.rules"
+GRANT = """polkit.addRule(function(action, subject) {
+    if (action.id == "org.cpuservice1.allocate" && subject.user == "nobody") {
+        return polkit.Result.YES;
+    }
+});
+"""
+
+
+@pytest.fixture
+def granted(daemon: ServiceHost) -> Iterator[ServiceHost]:
+    rule = daemon.c.root / RULE.lstrip("/")
+    rule.parent.mkdir(parents=True, exist_ok=True)
+    rule.write_text(GRANT)
+    daemon.c.run(["systemctl", "restart", "polkit.service"])
+    try:
+        yield daemon
+    finally:
+        rule.unlink()
+        daemon.c.run(["systemctl", "restart", "polkit.service"])

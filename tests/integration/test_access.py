@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-
 from tests.integration.service_env import DEST, BusctlError, ServiceHost
 from tests.integration.test_service import allocations
 
 NOBODY = "65534"
-RULE = "/etc/polkit-1/rules.d/50-cpuservice-test.rules"
-GRANT = """polkit.addRule(function(action, subject) {
-    if (action.id == "org.cpuservice1.allocate" && subject.user == "nobody") {
-        return polkit.Result.YES;
-    }
-});
-"""
-
-
 def as_nobody(daemon: ServiceHost, *args: str) -> object:
     return daemon.busctl("call", *DEST, *args, check=False, user=NOBODY)
 
@@ -27,19 +14,6 @@ def denied(out: object) -> bool:
     return isinstance(out, BusctlError) and (
         "Access denied" in out.text or "Interactive authentication required" in out.text
         or "not authorized" in out.text or "needs authentication" in out.text)
-
-
-@pytest.fixture
-def granted(daemon: ServiceHost) -> Iterator[ServiceHost]:
-    rule = daemon.c.root / RULE.lstrip("/")
-    rule.parent.mkdir(parents=True, exist_ok=True)
-    rule.write_text(GRANT)
-    daemon.c.run(["systemctl", "restart", "polkit.service"])
-    try:
-        yield daemon
-    finally:
-        rule.unlink()
-        daemon.c.run(["systemctl", "restart", "polkit.service"])
 
 
 def test_reads_need_no_authorization(daemon: ServiceHost) -> None:

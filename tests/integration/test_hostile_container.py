@@ -3,38 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-
-import pytest
 
 from tests.integration.service_env import DEST, BusctlError, ServiceHost, eventually
 from tests.integration.test_access import as_nobody
 from tests.integration.test_service import _check_consistent, allocations
 
-GRANT_ALL = """polkit.addRule(function(action, subject) {
-    if (action.id == "org.cpuservice1.allocate" && subject.user == "nobody") {
-        return polkit.Result.YES;
-    }
-});
-"""
-RULE = "/etc/polkit-1/rules.d/50-cpuservice-hostile.rules"
 
-
-@pytest.fixture
-def nobody_may_allocate(daemon: ServiceHost) -> Iterator[ServiceHost]:
-    rule = daemon.c.root / RULE.lstrip("/")
-    rule.parent.mkdir(parents=True, exist_ok=True)
-    rule.write_text(GRANT_ALL)
-    daemon.c.run(["systemctl", "restart", "polkit.service"])
-    try:
-        yield daemon
-    finally:
-        rule.unlink()
-        daemon.c.run(["systemctl", "restart", "polkit.service"])
-
-
-def test_per_user_limits_for_an_unprivileged_user(nobody_may_allocate: ServiceHost) -> None:
-    daemon = nobody_may_allocate
+def test_per_user_limits_for_an_unprivileged_user(granted: ServiceHost) -> None:
+    daemon = granted
     daemon.configure("b", max_allocations_per_user=3, max_cpus_per_user="25%")  # 4 of 16
     out = as_nobody(daemon, "Allocate", "ssa{sv}", "n1", "3", "1", "bind", "b", "true")
     assert not isinstance(out, BusctlError), out
