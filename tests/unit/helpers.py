@@ -8,6 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from hypothesis import strategies as st
+
 from cpuservice import placement
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import MACHINES, write_sysfs
@@ -78,3 +80,12 @@ def write_hotplug_state(root: Path, machine: str,
         for link in base.glob("cpu*/node*"):
             link.unlink()
     return root
+
+
+# the placement options a request may carry, as hypothesis draws them (the bind flag apart)
+PLACEMENT_OPTIONS = {
+    "policy": st.sampled_from(["packed", "full-pcpus", "spread-pcpus"]),
+    "exclusive": st.sampled_from(["none", "pcpu", "numa"]),
+    "numa-strategy": st.sampled_from(["most-allocated", "least-allocated", "distribute-evenly"]),
+    "numa-alignment": st.sampled_from(["none", "best-effort", "restricted", "single-numa-node"]),
+}

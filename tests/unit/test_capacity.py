@@ -24,7 +24,7 @@ from cpuservice.repair import repair
 from cpuservice.request import Request
 from cpuservice.topology import CPU, Topology, discover
 
-from .helpers import bind, ledger_for
+from .helpers import PLACEMENT_OPTIONS, bind, ledger_for
 
 LIMIT = 150  # allocations simulated at most per example
 
@@ -60,17 +60,7 @@ def assert_counts(topology: Topology, ledger: Ledger, request: Request, limit: i
     assert got == expected, f"{request} on {len(ledger.allocations)} allocations"
 
 
-OPTIONS = st.fixed_dictionaries(
-    {},
-    optional={
-        "policy": st.sampled_from(["packed", "full-pcpus", "spread-pcpus"]),
-        "exclusive": st.sampled_from(["none", "pcpu", "numa"]),
-        "numa-strategy": st.sampled_from(["most-allocated", "least-allocated",
-                                          "distribute-evenly"]),
-        "numa-alignment": st.sampled_from(["none", "best-effort", "restricted",
-                                           "single-numa-node"]),
-    },
-)
+OPTIONS = st.fixed_dictionaries({}, optional=PLACEMENT_OPTIONS)
 WHOLE = st.integers(0, 6)
 PIECES = st.one_of(st.just(0), st.integers(1, 999))
 SHAPE = st.tuples(WHOLE, PIECES, OPTIONS,

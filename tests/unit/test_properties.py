@@ -15,20 +15,9 @@ from cpuservice.pools import check_index, check_invariants
 from cpuservice.repair import repair
 from cpuservice.request import Request
 
-from .helpers import ledger_for
+from .helpers import PLACEMENT_OPTIONS, ledger_for
 
-OPTIONS = st.fixed_dictionaries(
-    {},
-    optional={
-        "bind": st.booleans(),
-        "policy": st.sampled_from(["packed", "full-pcpus", "spread-pcpus"]),
-        "exclusive": st.sampled_from(["none", "pcpu", "numa"]),
-        "numa-strategy": st.sampled_from(["most-allocated", "least-allocated",
-                                          "distribute-evenly"]),
-        "numa-alignment": st.sampled_from(["none", "best-effort", "restricted",
-                                           "single-numa-node"]),
-    },
-)
+OPTIONS = st.fixed_dictionaries({}, optional={"bind": st.booleans(), **PLACEMENT_OPTIONS})
 AMOUNT = st.decimals(min_value=Decimal("0.01"), max_value=Decimal(20), places=2)
 OPS = st.lists(
     st.one_of(
