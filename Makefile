@@ -4,7 +4,8 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        bench-placement bench-service bench-hotplug bench-irq run man deb
+        test-lab-modern bench-placement bench-service bench-hotplug bench-irq bench-partition \
+        run man deb
 
 setup:
 	bash scripts/install-deps.sh all
@@ -38,8 +39,13 @@ test-unit-debian:
 test-integration:
 	$(PY) $(PYTEST) tests/integration
 
+# both VM labs: Debian 12 (systemd 252) and Debian sid (systemd >= 261, kernel partitions)
 test-lab:
 	$(PY) $(PYTEST) tests/lab
+
+# the sid lab alone
+test-lab-modern:
+	$(PY) $(PYTEST) tests/lab/test_lab_partitions.py -k "not debian12"
 
 bench-placement:
 	$(PY) bench/placement.py
@@ -57,6 +63,9 @@ bench-service:
 
 bench-hotplug:
 	PYTHONPATH=$(CURDIR) $(PY) bench/hotplug.py
+
+bench-partition:
+	PYTHONPATH=$(CURDIR) $(PY) bench/partition.py
 
 bench-irq:
 	PYTHONPATH=$(CURDIR) $(PY) bench/irq.py

@@ -1,25 +1,47 @@
-"""Placement benchmark: latency of one ``place`` call, a 10,000-operation churn, and the slowest
-``capacity`` call among hostile request shapes.
+"""Placement benchmark: latency of one ``place`` call, a churn of 10,000 operations per seed, and
+the slowest ``capacity`` call among hostile request shapes.
 
-Prints, last:
+Prints:
     placement_p50_us cpus=64 <float>
     placement_p50_us cpus=1024 <float>
-    churn topology=2x32x2 ops=10000 success=<0..1> numa_avoidable_spans=<int> \
-smt_split_full_pcpus=<int> fragmented_cores=<int>
+    churn seed=<n> policy=<p> allocs=<n> success=<f> numa_avoidable_spans=<n> \
+smt_split_full_pcpus=<n> mean_fragmented_cores=<f> half_cores_while_whole_free=<n> median_us=<f>
     capacity_worst_us cpus=1024 <float>
+
+The churn line comes per seed for each policy and for all of them (policy=all). The workload:
+fixture c (2 x 32 cores x 2 threads, 4 NUMA nodes, L3 per 8 cores), core 0 reserved, packed,
+full-pcpus and spread-pcpus requests mixed, requested occupancy kept between 60 % and 95 %
+(churn_trace). Per policy, over the allocation attempts of the 10,000 operations:
+
+- allocs, success: attempts, and the share that was placed;
+- numa_avoidable_spans: allocations whose CPUs touch two or more NUMA nodes although just
+  before the request one single node had at least as many CPUs the policy could take (free
+  non-reserved CPUs; for full-pcpus, CPUs on wholly free cores);
+- smt_split_full_pcpus: physical cores of which a full-pcpus allocation got only some threads;
+- mean_fragmented_cores: after each allocation attempt (failed ones included), the number of
+  cores with at least one free and at least one taken thread, averaged over attempts;
+- half_cores_while_whole_free: packed allocations that took a lone thread of a core beyond an
+  odd remainder while whole free cores were available in the NUMA choice (a wholly free core
+  in the nodes it landed in that it did not take);
+- median_us: the median time of one allocate.
+
+``bench/placement.py --seeds 1,2,3,4,5`` runs other seeds (default 1,2,3).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import random
 import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 
 from cpuservice import placement
-from cpuservice.errors import InsufficientCPUs, InvalidArgument
+from cpuservice.cpuset import CPUSet
+from cpuservice.errors import InsufficientCPUs
 from cpuservice.fixtures import MACHINES, Machine, write_sysfs
 from cpuservice.pools import Ledger, check_invariants
 from cpuservice.request import Request
@@ -69,62 +91,185 @@ def placement_p50_us(topology: Topology, calls: int) -> float:
     return statistics.median(times) / 1000
 
 
-def _spans_avoidably(topology: Topology, ledger: Ledger, request: Request, nodes: int) -> bool:
-    """The placement spans NUMA nodes although one node had room for the whole request."""
-    if nodes < 2:
+@dataclass(frozen=True)
+class Op:
+    """One step of a churn trace: allocate ``request`` as ``name``, or release ``name`` (a
+    no-op when that allocation failed)."""
+
+    name: str
+    request: Request | None = None
+
+
+CHURN_MACHINE = Machine(2, 32, 2, nodes=4, l3_cores=8)  # fixture c: 2 x 32 cores x 2 threads
+CHURN_OPS = 10_000
+CHURN_BAND = (0.60, 0.95)  # requested occupancy kept in this band
+CHURN_SEEDS = (1, 2, 3)
+CHURN_SIZES = {  # request sizes drawn per policy (full-pcpus: whole SMT-2 cores)
+    "packed": (1, 1, 2, 2, 3, 4, 4, 5, 6, 8, 8, 12, 16),
+    "full-pcpus": (2, 2, 4, 4, 6, 8, 8, 12, 16),
+    "spread-pcpus": (1, 2, 2, 3, 4, 4, 6, 8),
+}
+
+
+def churn_trace(seed: int, allocatable: int, ops: int = CHURN_OPS
+                ) -> tuple[list[Op], list[Op]]:
+    """A warm-up that fills the machine to the band's floor, then ``ops`` operations that keep
+    the requested occupancy (the sizes of the allocations asked for and not yet released, placed
+    or not, over the allocatable CPUs) inside CHURN_BAND: below the floor allocate, above the
+    ceiling release, in between either with even odds, and a request that would leave the band
+    becomes a release. Releases pick uniformly among the live names. Nothing depends on what an
+    engine did with the requests, so any engine can replay the same trace."""
+    rng = random.Random(seed)
+    low, high = CHURN_BAND
+    live: dict[str, int] = {}
+    warmup: list[Op] = []
+    trace: list[Op] = []
+    serial = 0
+
+    def request() -> tuple[Request, int]:
+        policy = rng.choice(POLICIES)
+        size = rng.choice(CHURN_SIZES[policy])
+        return Request.parse(str(size), {"bind": True, "policy": policy}), size
+
+    while sum(live.values()) < low * allocatable:
+        r, size = request()
+        warmup.append(Op(f"c{serial}", r))
+        live[f"c{serial}"] = size
+        serial += 1
+    while len(trace) < ops:
+        used = sum(live.values())
+        grow = used < low * allocatable or (used <= high * allocatable and rng.random() < 0.5)
+        if grow:
+            r, size = request()
+            if used + size <= high * allocatable or not live:
+                trace.append(Op(f"c{serial}", r))
+                live[f"c{serial}"] = size
+                serial += 1
+                continue
+        name = rng.choice(sorted(live))
+        del live[name]
+        trace.append(Op(name))
+    return warmup, trace
+
+
+@dataclass
+class Tally:
+    """The churn figures of one policy (or all)."""
+
+    allocs: int = 0
+    successes: int = 0
+    spans: int = 0
+    splits: int = 0
+    half_cores: int = 0
+    fragmented: list[int] = field(default_factory=list)
+    times_us: list[float] = field(default_factory=list)
+
+    def line(self, seed: int, policy: str) -> str:
+        success = self.successes / self.allocs if self.allocs else 1.0
+        frag = statistics.fmean(self.fragmented) if self.fragmented else 0.0
+        median = statistics.median(self.times_us) if self.times_us else 0.0
+        return (f"churn seed={seed} policy={policy} allocs={self.allocs} success={success:.3f} "
+                f"numa_avoidable_spans={self.spans} smt_split_full_pcpus={self.splits} "
+                f"mean_fragmented_cores={frag:.2f} half_cores_while_whole_free={self.half_cores} "
+                f"median_us={median:.1f}")
+
+
+def _whole_free_cores(topology: Topology, free: CPUSet) -> dict[int, list[int]]:
+    """NUMA node -> the cores all of whose threads are free."""
+    out: dict[int, list[int]] = {}
+    for core, threads in topology.cores.items():
+        if threads <= free:
+            out.setdefault(topology.cpus[threads.first()].node, []).append(core)
+    return out
+
+
+def _lone_cores(topology: Topology, cpus: CPUSet) -> set[int]:
+    """Cores of which ``cpus`` holds some threads but not all."""
+    touched = {topology.cpus[c].core for c in cpus}
+    return {k for k in touched if not topology.cores[k] <= cpus}
+
+
+def numa_avoidable_span(topology: Topology, ledger: Ledger, request: Request, cpus: CPUSet
+                        ) -> bool:
+    """The CPUs touch two or more NUMA nodes although, just before the request, one node had at
+    least as many CPUs the policy could take (free non-reserved CPUs; for full-pcpus, CPUs on
+    wholly free cores)."""
+    if len(topology.node_set(cpus)) < 2:
         return False
-    cands = placement.candidates(topology, ledger, request.options, request.options.exclusive)
-    node_of = topology.levels[1]
+    free = ledger.allocatable
     room: dict[int, int] = {}
-    for c in cands:
-        room[node_of[c]] = room.get(node_of[c], 0) + 1
+    if request.options.policy == "full-pcpus":
+        for x, cores in _whole_free_cores(topology, free).items():
+            room[x] = sum(len(topology.cores[k]) for k in cores)
+    else:
+        for c in free:
+            room[topology.cpus[c].node] = room.get(topology.cpus[c].node, 0) + 1
     return max(room.values(), default=0) >= request.whole
 
 
-def _split_full_pcpus(topology: Topology, ledger: Ledger) -> int:
-    owner: dict[int, str] = {}
-    split = set()
-    for a in ledger.allocations.values():
-        if a.request.options.policy != "full-pcpus":
+def half_cores_while_whole_free(topology: Topology, ledger: Ledger, request: Request,
+                                cpus: CPUSet) -> bool:
+    """A packed allocation took a lone thread of a core beyond an odd remainder (more cores of
+    which it got only some threads than n mod threads-per-core needs) while whole free cores
+    were available in its NUMA choice (the nodes it landed in held, just before, a wholly free
+    core it did not take)."""
+    if request.options.policy != "packed":
+        return False
+    lone = _lone_cores(topology, cpus)
+    if len(lone) <= (1 if request.whole % topology.threads_per_core else 0):
+        return False
+    whole = _whole_free_cores(topology, ledger.allocatable)
+    return any(not topology.cores[k] <= cpus
+               for x in topology.node_set(cpus) for k in whole.get(x, ()))
+
+
+def fragmented_cores(topology: Topology, ledger: Ledger) -> int:
+    """Cores with at least one free and at least one taken thread."""
+    free, held = ledger.allocatable, ledger.held
+    return sum(bool(t & free) and bool(t & held) for t in topology.cores.values())
+
+
+def churn(topology: Topology, seed: int, reserved: CPUSet) -> dict[str, Tally]:
+    """Replay one seed's trace through the engine; the figures per policy and for all."""
+    ledger = Ledger(topology.online, reserved=reserved)
+    warmup, trace = churn_trace(seed, len(ledger.allocatable))
+    for op in warmup:
+        assert op.request is not None
+        with contextlib.suppress(InsufficientCPUs):
+            ledger, _ = placement.allocate(topology, ledger, op.name, op.request)
+    tallies = {p: Tally() for p in (*POLICIES, "all")}
+    for op in trace:
+        if op.request is None:
+            if op.name in ledger.allocations:
+                ledger = placement.release(ledger, op.name)
             continue
-        for c in a.whole:
-            core = topology.cpus[c].core
-            if owner.setdefault(core, a.name) != a.name:
-                split.add(core)
-    return len(split)
-
-
-def _fragmented_cores(topology: Topology, ledger: Ledger) -> int:
-    """Physical cores whose threads are held by two or more holders (free counts as one)."""
-    holder = {c: a.name for a in ledger.allocations.values() for c in a.held}
-    return sum(
-        len({holder.get(c, "") for c in threads}) > 1 for threads in topology.cores.values()
-    )
-
-
-def churn(topology: Topology, ops: int) -> tuple[float, int, int, int]:
-    rng = random.Random(SEED)
-    ledger = Ledger(topology.online)
-    attempts = successes = spans = splits = 0
-    serial = 0
-    for _ in range(ops):
-        if ledger.allocations and rng.random() < 0.45:
-            name = rng.choice(sorted(ledger.allocations))
-            ledger = placement.release(ledger, name)
-            continue
-        request = _request(rng, topology.threads_per_core)
-        attempts += 1
+        request = op.request
+        mine = tallies[request.options.policy]
+        start = time.perf_counter_ns()
         try:
-            new, a = placement.allocate(topology, ledger, f"c{serial}", request)
-        except (InsufficientCPUs, InvalidArgument):
-            continue
-        successes += 1
-        serial += 1
-        spans += _spans_avoidably(topology, ledger, request, len(topology.node_set(a.whole)))
-        ledger = new
-        splits += _split_full_pcpus(topology, ledger)
+            new, a = placement.allocate(topology, ledger, op.name, request)
+        except InsufficientCPUs:
+            new = None
+        elapsed = (time.perf_counter_ns() - start) / 1000
+        if new is not None:
+            cpus = a.whole
+            span = numa_avoidable_span(topology, ledger, request, cpus)
+            half = half_cores_while_whole_free(topology, ledger, request, cpus)
+            split = (len(_lone_cores(topology, cpus))
+                     if request.options.policy == "full-pcpus" else 0)
+            ledger = new
+        fragmented = fragmented_cores(topology, ledger)
+        for t in (mine, tallies["all"]):
+            t.allocs += 1
+            t.times_us.append(elapsed)
+            t.fragmented.append(fragmented)
+            if new is not None:
+                t.successes += 1
+                t.spans += span
+                t.half_cores += half
+                t.splits += split
     check_invariants(ledger)
-    return successes / attempts, spans, splits, _fragmented_cores(topology, ledger)
+    return tallies
 
 
 # Shapes that make capacity count long (fractions: 100 or 1,000 per free CPU; one CPU, or one CPU
@@ -172,19 +317,25 @@ def capacity_worst_us(topology: Topology, allocations: int, rounds: int = 3) -> 
     return worst
 
 
-def main() -> int:
-    t64 = _topology(Machine(2, 16, 2, nodes=2, l3_cores=8))
-    t1024 = _topology(MACHINES["e"])
-    epyc = _topology(MACHINES["c"])
-    p64 = placement_p50_us(t64, 3000)
-    p1024 = placement_p50_us(t1024, 600)
-    success, spans, splits, fragmented = churn(epyc, 10_000)
-    capacity_us = capacity_worst_us(t1024, 1000)
-    print(f"placement_p50_us cpus=64 {p64:.1f}")
-    print(f"placement_p50_us cpus=1024 {p1024:.1f}")
-    print(f"churn topology=2x32x2 ops=10000 success={success:.3f} numa_avoidable_spans={spans} "
-          f"smt_split_full_pcpus={splits} fragmented_cores={fragmented}")
-    print(f"capacity_worst_us cpus=1024 {capacity_us:.1f}")
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default=",".join(map(str, CHURN_SEEDS)),
+                        help="churn seeds, comma-separated (default: %(default)s)")
+    parser.add_argument("--churn-only", action="store_true", help="only the churn lines")
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    epyc = _topology(CHURN_MACHINE)
+    if not args.churn_only:
+        t64 = _topology(Machine(2, 16, 2, nodes=2, l3_cores=8))
+        t1024 = _topology(MACHINES["e"])
+        print(f"placement_p50_us cpus=64 {placement_p50_us(t64, 3000):.1f}", flush=True)
+        print(f"placement_p50_us cpus=1024 {placement_p50_us(t1024, 600):.1f}", flush=True)
+    for seed in seeds:
+        tallies = churn(epyc, seed, epyc.cores[0])
+        for policy, tally in tallies.items():
+            print(tally.line(seed, policy), flush=True)
+    if not args.churn_only:
+        print(f"capacity_worst_us cpus=1024 {capacity_worst_us(t1024, 1000):.1f}", flush=True)
     return 0
 
 

@@ -13,7 +13,7 @@ from dbus_fast import Message, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import __version__, dbuscall
+from . import __version__, dbuscall, journal
 from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, may_move
 from .bus_objects import (
     ALLOCATION_SIGNATURES,
@@ -50,7 +50,8 @@ class Manager(ServiceInterface):
     def export_all(self) -> None:
         self.bus.export(PATH, self)
         for name in self.service.ledger.allocations:
-            self._export(name)
+            if name not in self.objects:  # an event during startup may have exported it
+                self._export(name)
 
     def _export(self, name: str) -> Allocation:
         obj = Allocation(self, name)
@@ -63,6 +64,7 @@ class Manager(ServiceInterface):
         uid = await self._caller_uid()
         sender, interactive = current_call.get()
         await self.authority.check(sender, uid, action, interactive)
+        journal.CALLER.set(uid)  # the audit trail names who asked (this call's task only)
         return uid
 
     async def authorize_for(self, name: str) -> tuple[int, int]:
@@ -282,6 +284,13 @@ class Manager(ServiceInterface):
             "unmovable": Variant("au", list(report.unmovable) if report and enabled else []),
             "irqbalance": Variant("b", bool(report and enabled and report.irqbalance)),
         }
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Capabilities(self) -> "a{sv}":
+        """What this host can do beyond AllowedCPUs (cpuset partitions), as detected at
+        startup."""
+        return {k: Variant(sig, v) for k, (sig, v) in
+                self.service.engine.capabilities.as_dbus().items()}
 
     @dbus_property(access=PropertyAccess.READ)
     def Topology(self) -> "s":

@@ -62,15 +62,27 @@ def boundary(fn: F) -> F:
     @functools.wraps(fn)
     async def wrapper(*args: Any) -> Any:
         try:
-            return await fn(*args)
+            result = await fn(*args)
         except CPUServiceError as exc:
+            _count(args, fn.__name__, exc.dbus_name)
             raise DBusError(exc.dbus_name, ascii_text(str(exc))) from None
-        except DBusError:
+        except DBusError as exc:
+            _count(args, fn.__name__, exc.type)
             raise
         except Exception:
             log.exception("internal error in %s", fn.__name__)
+            _count(args, fn.__name__, FAILED)
             raise DBusError(FAILED, f"internal error in {fn.__name__}; see the service log") from None
+        _count(args, fn.__name__, "ok")
+        return result
     return wrapper  # type: ignore[return-value]
+
+
+def _count(args: tuple[Any, ...], method: str, result: str) -> None:
+    """Count the call for the metrics: "ok" or the error's last name (InvalidArgument)."""
+    service = getattr(args[0], "service", None) if args else None
+    if service is not None:
+        service.engine.counters.request(method, result.rsplit(".", 1)[-1])
 
 
 def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
@@ -80,7 +92,7 @@ def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
 ALLOCATION_SIGNATURES = {
     "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
     "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
-    "State": "s", "Lifetime": "s",
+    "State": "s", "Lifetime": "s", "Partition": "s", "PartitionState": "s",
 }
 
 
@@ -104,9 +116,17 @@ class Allocation(ServiceInterface):
         self.allocation = name
 
     def values(self) -> dict[str, Any]:
-        """All properties, from the service's current state (no copy is kept here)."""
+        """All properties, from the service's current state. Computed once per state (the
+        state and the topology are replaced, never changed, on every change): GetAll and
+        GetManagedObjects read every property of every allocation one at a time."""
         service = self.service
-        return views.allocation(service.topology, service.state, self.allocation)
+        key = (service.state, service.topology,
+               service.engine.partition_report(self.allocation))
+        cached = getattr(self, "_cached", None)
+        if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+            self._cached = (key, views.allocation(service.topology, service.state,
+                                                  self.allocation, key[2]))
+        return self._cached[1]
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":
@@ -155,6 +175,14 @@ class Allocation(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def Lifetime(self) -> "s":
         return self.values()["Lifetime"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Partition(self) -> "s":
+        return self.values()["Partition"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def PartitionState(self) -> "s":
+        return self.values()["PartitionState"]
 
     @method()
     @boundary

@@ -1,9 +1,23 @@
-"""Daemon configuration: ``cpuservice.toml`` plus ``cpuservice.toml.d/*.toml`` drop-ins."""
+"""Daemon configuration: ``cpuservice.toml`` plus drop-ins, found as systemd finds its own
+configuration files (see cpuservice.toml(5)):
+
+- the main file is the first ``cpuservice.toml`` of DIRS, in their order of priority: local
+  (``/etc/cpuservice``), runtime (``/run/cpuservice``), then the vendor's (``/usr/local/lib``,
+  ``/usr/lib``); it masks the others;
+- drop-ins are the ``cpuservice.toml.d/*.toml`` (or ``*.conf``) files of all of DIRS, a file in a
+  directory of higher priority masking one of the same name in a lower (an empty file or a link
+  to /dev/null masks and adds nothing); they are applied in the order of their file names,
+  whatever their directory, so a later name wins.
+
+``cpuserviced --config PATH`` reads just PATH and ``PATH.d/``. Every error names the file (a
+drop-in's error the drop-in) and the key.
+"""
 
 from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
@@ -15,7 +29,11 @@ from .cpuset import CPUSet, CPUSetError
 from .errors import InvalidArgument
 from .request import OPTION_KEYS, Options, parse_options
 
-DEFAULT_PATH = Path("/etc/cpuservice/cpuservice.toml")
+NAME = "cpuservice.toml"
+# highest priority first, as systemd orders /etc, /run and /usr/lib for its own configuration
+DIRS = (Path("/etc/cpuservice"), Path("/run/cpuservice"), Path("/usr/local/lib/cpuservice"),
+        Path("/usr/lib/cpuservice"))
+DROPIN_SUFFIXES = (".toml", ".conf")
 PER_REQUEST_ONLY = ("cpuset", "unit")
 _CPU_LIMIT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,3})?%?")
 
@@ -36,6 +54,7 @@ class Config(compat.StrictModel):
     max_allocations_per_user: conint(strict=True, ge=0) = 64  # type: ignore[valid-type]
     max_cpus_per_user: StrictStr = "50%"
     lifetime_grace_seconds: conint(strict=True, ge=1, le=86400) = 60  # type: ignore[valid-type]
+    metrics_file: StrictStr = "/var/lib/prometheus/node-exporter/cpuservice.prom"
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     def cpu_limit(self, online: int) -> Decimal | None:
@@ -72,16 +91,43 @@ def _read(path: Path) -> dict[str, Any]:
             return tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
 
-def load(path: Path | str = DEFAULT_PATH) -> Config:
-    """Read the main file (missing = all defaults) and its drop-ins, in name order."""
-    path = Path(path)
-    data: dict[str, Any] = _read(path) if path.exists() else {}
-    dropins = Path(f"{path}.d")
-    for extra in sorted(dropins.glob("*.toml")) if dropins.is_dir() else []:
-        data = _merge(data, _read(extra))
-    return validate(data, str(path))
+def _dropins(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if p.name.endswith(DROPIN_SUFFIXES)
+            and not p.name.startswith(".") and not p.is_dir()]
+
+
+def sources(path: Path | str | None = None, dirs: Sequence[Path] = DIRS) -> list[Path]:
+    """The files that make the configuration, in the order they apply: the main file (when
+    there is one), then the drop-ins. ``path``: just that file and ``PATH.d/``."""
+    if path is not None:
+        main: Path | None = Path(path)
+        found = {p.name: p for p in _dropins(Path(f"{path}.d"))}
+    else:
+        main = next((d / NAME for d in dirs if (d / NAME).exists()), None)
+        found = {}
+        for directory in reversed(dirs):  # lowest priority first: a higher one masks it
+            found.update((p.name, p) for p in _dropins(directory / f"{NAME}.d"))
+    head = [main] if main is not None and main.exists() else []
+    return head + [found[name] for name in sorted(found)]
+
+
+def load(path: Path | str | None = None, dirs: Sequence[Path] = DIRS) -> Config:
+    """Read the main file (none: all defaults) and the drop-ins (see sources()). Each file is
+    checked on its own first, so an error names the file that has it."""
+    data: dict[str, Any] = {}
+    files = sources(path, dirs)
+    for source in files:
+        extra = _read(source)
+        validate(extra, str(source))
+        data = _merge(data, extra)
+    where = " + ".join(str(f) for f in files) or "the built-in defaults"
+    return validate(data, where)
 
 
 def validate(data: dict[str, Any], source: str = "config") -> Config:
@@ -100,6 +146,10 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
         config.reserved  # noqa: B018 - validates the cpu list
     except CPUSetError as exc:
         raise ConfigError(f"{source}: reserved_cpus: {exc}") from None
+    if config.metrics_file and not (config.metrics_file.startswith("/")
+                                    and config.metrics_file.endswith(".prom")):
+        raise ConfigError(f"{source}: metrics_file: {config.metrics_file!r} is not an absolute "
+                          "path ending in .prom (the node exporter reads *.prom), nor \"\" (off)")
     for key in config.defaults:
         if key in PER_REQUEST_ONLY or key not in OPTION_KEYS:
             raise ConfigError(f"{source}: defaults.{key}: not an option that can have a default")

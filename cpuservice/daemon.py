@@ -1,4 +1,10 @@
-"""cpuserviced: the daemon's entry point."""
+"""cpuserviced: the daemon's entry point. It wires the parts (assemble), serves on the system
+bus, and keeps systemd and the administrator informed: READY=1, STATUS= and the watchdog
+(notify), the journal's audit trail of every change (journal), the metrics file (metrics).
+
+Exit status: 0 after SIGTERM/SIGINT, 1 when the bus is lost or the name cannot be owned,
+EXIT_CONFIG (78, EX_CONFIG of sysexits.h) for a configuration error, which the unit's
+RestartPreventExitStatus= keeps from being restarted in a loop."""
 
 from __future__ import annotations
 
@@ -8,15 +14,17 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from dbus_fast import BusType, RequestNameReply
+from dbus_fast.aio import MessageBus
 
-from . import __version__, config
+from . import __version__, config, journal, metrics, notify
 from .authz import Authority
 from .bus_api import BUS_NAME, Bus, Manager, capture_sender
 from .checkpoint import Store
-from .engine import Engine, KernelAPI, SystemdAPI
+from .engine import Engine, Events, KernelAPI, SystemdAPI
 from .hotplug import CPUMonitor, Debouncer
 from .irqs import Kernel
 from .lifetime import Lifetime
@@ -25,6 +33,7 @@ from .systemd import Systemd
 from .topology import discover
 
 log = logging.getLogger("cpuserviced")
+EXIT_CONFIG = 78
 
 
 def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
@@ -42,7 +51,42 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
     return service
 
 
-async def serve(cfg: config.Config) -> int:
+class Observed:
+    """An Events sink that also calls ``changed`` after each event (STATUS=, the metrics)."""
+
+    def __init__(self, inner: Events, changed: Callable[[], None]) -> None:
+        self.inner, self.changed = inner, changed
+
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
+        self.inner.allocation_added(name, values)
+        self.changed()
+
+    def allocation_removed(self, name: str) -> None:
+        self.inner.allocation_removed(name)
+        self.changed()
+
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
+        self.inner.allocation_changed(name, reason, changed)
+        self.changed()
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        self.inner.pools_changed(shared, exclusive, fragment)
+        self.changed()
+
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
+        self.inner.manager_changed(changed, invalidated)
+        self.changed()
+
+
+def metrics_file(cfg: config.Config, service: Service) -> metrics.Textfile | None:
+    if not cfg.metrics_file:
+        return None
+    return metrics.Textfile(cfg.metrics_file, lambda: metrics.render(
+        service.topology, service.state, service.engine.counters, __version__))
+
+
+async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> int:
+    notifier = notifier or notify.Notifier()
     bus = await Bus(
         bus_address=os.environ.get("CPUSERVICE_BUS_ADDRESS"), bus_type=BusType.SYSTEM
     ).connect()
@@ -59,10 +103,21 @@ async def serve(cfg: config.Config) -> int:
     service = assemble(cfg, systemd, Store(cfg.state_file),
                        Kernel(systemd, os.environ.get("RUNTIME_DIRECTORY", "/run/cpuservice")))
     debouncer.settled = lambda: service.revalidate(full=False)
+    service.engine.audit = journal.Journal()
     loop = asyncio.get_running_loop()
     if monitor is not None:
         monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
+    textfile = metrics_file(cfg, service)
+
+    def changed() -> None:
+        notifier.status(notify.status_text(service.ledger))
+        if textfile is not None:
+            textfile.changed()
+
+    service.events = Observed(manager, changed)
+    if textfile is not None:
+        service.engine.counters.listeners.append(textfile.changed)
     bus.add_message_handler(capture_sender)
     await service.start()
     manager.export_all()
@@ -72,6 +127,20 @@ async def serve(cfg: config.Config) -> int:
         return 1
     log.info("cpuserviced %s serving %d allocation(s); shared CPUs %s", __version__,
              len(service.ledger.allocations), service.ledger.shared)
+    notifier.ready(notify.status_text(service.ledger))
+    notifier.start_watchdog()
+    if textfile is not None:
+        textfile.write()
+    try:
+        return await until_stopped(bus, loop, notifier)
+    finally:
+        notifier.stop_watchdog()
+        if textfile is not None:
+            textfile.remove()
+
+
+async def until_stopped(bus: MessageBus, loop: asyncio.AbstractEventLoop,
+                        notifier: notify.Notifier) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -80,7 +149,9 @@ async def serve(cfg: config.Config) -> int:
     await asyncio.wait({disconnected, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if disconnected.done():
         log.error("lost the system bus")
+        notifier.send(status="lost the system bus")
         return 1
+    notifier.stopping()
     bus.disconnect()
     return 0
 
@@ -103,8 +174,11 @@ class JournalFormatter(logging.Formatter):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cpuserviced", description="The cpuservice daemon.")
-    parser.add_argument("--config", default=str(config.DEFAULT_PATH),
-                        help="configuration file (default %(default)s)")
+    parser.add_argument("--config", metavar="PATH",
+                        help="read just PATH and PATH.d/ (default: cpuservice.toml and "
+                        "cpuservice.toml.d/ of " + ", ".join(str(d) for d in config.DIRS) + ")")
+    parser.add_argument("--check-config", action="store_true",
+                        help=f"check the configuration and exit: 0 valid, {EXIT_CONFIG} not")
     parser.add_argument("--version", action="version", version=__version__)
     args = parser.parse_args(argv)
     handler = logging.StreamHandler(sys.stderr)
@@ -113,8 +187,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = config.load(args.config)
     except config.ConfigError as exc:
-        log.error("%s", exc)
-        return 2
+        if args.check_config:
+            print(f"cpuserviced: {exc}", file=sys.stderr)
+        else:
+            log.error("%s", exc)
+            notify.Notifier().send(status=f"configuration error: {exc}")
+        return EXIT_CONFIG
+    if args.check_config:
+        files = config.sources(args.config)
+        print("configuration is valid: " + (" + ".join(str(f) for f in files)
+                                            or "no file, the built-in defaults"))
+        return 0
     return asyncio.run(serve(cfg))
 
 

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
-from . import reconcile, units, views
+from . import journal, metrics, partitions, reconcile, units, views
 from .checkpoint import State, Store
 from .config import Config
 from .cpuset import CPUSet
@@ -20,11 +20,12 @@ from .errors import CPUServiceError, SystemdFailure
 from .irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from .pools import Ledger, check_invariants
 from .reconcile import Props, UnitSpec
-from .targets import Targets
+from .targets import Targets, partition_of
 from .topology import Topology
 
 log = logging.getLogger(__name__)
-OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice")
+OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
+                f"{units.PARTITION_PREFIX}*.slice")
 UNIT_IFACE = "org.freedesktop.systemd1.Unit"
 _TYPE_IFACE = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket": "Socket",
                "mount": "Mount", "swap": "Swap"}
@@ -47,6 +48,7 @@ class SystemdAPI(Protocol):
     async def remove_overrides(self, unit: str, names: Sequence[str]) -> None: ...
     async def unit_path(self, unit: str) -> str | None: ...
     async def load_state(self, unit: str) -> str: ...
+    async def manager_version(self) -> str: ...
     async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]: ...
     async def list_units(self, patterns: Sequence[str]) -> list[tuple[str, str]]: ...
     async def processes(self, unit: str) -> list[int]: ...
@@ -137,6 +139,15 @@ class Engine:
         self.state = State(empty_ledger(config, topology), {})
         self.targets = Targets(config.confine_host, kernel_holders(config))
         self.events: Events = NoEvents()
+        # committed changes of allocations, one event each (the daemon sends them to journald)
+        self.audit: journal.Audit = journal.Journal(native=False)
+        self.counters = metrics.Counters()  # requests and repairs, for the metrics
+        # cpuset partitions: what this host can do (the daemon detects it), what the kernel
+        # reports of each partitioned allocation's slice, and the reader of that report
+        self.capabilities = partitions.Capabilities()
+        self.partition_states: dict[str, partitions.State] = {}
+        self.read_partition: Callable[[str], partitions.State | None] = partitions.read_state
+        self.detect_kernel: Callable[[], tuple[bool, str]] = partitions.detect_kernel
         self.lock = asyncio.Lock()
 
     @property
@@ -192,7 +203,9 @@ class Engine:
             self.topology = old_topology
             raise
         self.state = new
-        self._publish(old, new, changed, reasons or {}, old_topology)
+        before_partitions = dict(self.partition_states)
+        await self.observe_partitions(changed)
+        self._publish(old, new, changed, reasons or {}, old_topology, before_partitions)
 
     def specs(self, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
         return self.targets.specs(self.topology, state, names)
@@ -203,7 +216,7 @@ class Engine:
         after = self.specs(state, state.ledger.allocations)
         before = await self.observe(after)
         held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
-                                if unit.startswith("cpuservice-bound-"))
+                                if (own := units.name_of_slice(unit)) and own[1])
         await reconcile.execute(reconcile.plan(before, after, state.ledger.exclusive | held),
                                 self.effector)
 
@@ -216,7 +229,7 @@ class Engine:
         for unit, active in await self.systemd.list_units(OWN_PATTERNS):
             if units.name_of_slice(unit) is None:
                 continue
-            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.OWN_PROPERTIES)
             have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
             if unit not in after and not units.made_by_us(unit, have.get("Description", "")):
                 log.warning("leaving %s alone: cpuservice did not make it", unit)
@@ -239,8 +252,74 @@ class Engine:
                                         restore=spec.restore, forget=spec.forget)
         return before
 
+    async def detect_capabilities(self) -> partitions.Capabilities:
+        """What this host can do about partitions: systemd's version and whether its slices
+        have CPUSetPartition, and what the kernel offers."""
+        try:
+            version = await self.systemd.manager_version()
+            root = await self.systemd.get("-.slice", cgroup_iface("-.slice"),
+                                          [partitions.PROPERTY])
+        except CPUServiceError as exc:
+            log.warning("cannot ask systemd what it supports: %s", exc)
+            version, root = "", {}
+        kernel, why = self.detect_kernel()
+        self.capabilities = partitions.Capabilities(version, partitions.PROPERTY in root,
+                                                    kernel, why)
+        if self.capabilities.partitions:
+            log.info("cpuset partitions available (systemd %s)", version)
+        else:
+            log.info("cpuset partitions not available: %s", self.capabilities.why_not())
+        return self.capabilities
+
+    async def check_partitions(self, reason: str = "partition") -> list[str]:
+        """Read every partition's report again and announce the allocations whose report
+        changed; the allocations the kernel's report now degrades."""
+        before = dict(self.partition_states)
+        for name in sorted(await self.observe_partitions()):
+            if name in self.state.ledger.allocations:
+                diff = views.changed(
+                    views.allocation(self.topology, self.state, name, before.get(name)),
+                    views.allocation(self.topology, self.state, name, self.partition_report(name)))
+                if diff:
+                    self.events.allocation_changed(name, reason, diff)
+        allocations = self.state.ledger.allocations
+        return sorted(n for n, report in self.partition_states.items() if n in allocations
+                      and partitions.degraded(partition_of(allocations[n]), report))
+
+    async def observe_partitions(self, names: Iterable[str] | None = None) -> set[str]:
+        """Read what the kernel made of the named allocations' partitions (None: all of them);
+        the names whose report changed. Never fails: an unreadable report is None (degraded)."""
+        allocations = self.state.ledger.allocations
+        changed: set[str] = set()
+        for name in sorted(allocations if names is None else names):
+            a = allocations.get(name)
+            if a is None or partition_of(a) == partitions.NONE:
+                if name in self.partition_states:
+                    del self.partition_states[name]
+                    changed.add(name)
+                continue
+            unit = self.state.records[name].unit
+            report = partitions.UNREADABLE
+            try:
+                group = (await self.systemd.get(unit, cgroup_iface(unit), ["ControlGroup"])
+                         ).get("ControlGroup", "")
+                report = (self.read_partition(str(group)) if group else None) or report
+            except CPUServiceError as exc:
+                log.warning("cannot read the partition of %s: %s", unit, exc)
+            if name not in self.partition_states or self.partition_states[name] != report:
+                why = partitions.degraded(partition_of(a), report)
+                if why:
+                    log.warning("allocation %s: %s (%s)", name, why, unit)
+                self.partition_states[name] = report
+                changed.add(name)
+        return changed
+
+    def partition_report(self, name: str) -> partitions.State | None:
+        return self.partition_states.get(name)
+
     def _publish(self, old: State, new: State, changed: set[str], reasons: Mapping[str, str],
-                 old_topology: Topology) -> None:
+                 old_topology: Topology,
+                 old_partitions: Mapping[str, partitions.State | None] | None = None) -> None:
         """Events, with their values, for what changed. An unbound allocation's CPUSet is the
         shared pool: it is announced once, by SharedCPUs and PoolsChanged, not per allocation."""
         before, after = old.ledger.allocations, new.ledger.allocations
@@ -249,12 +328,15 @@ class Engine:
                 self.targets.forget(name)
                 self.events.allocation_removed(name)
             elif name not in before:
-                self.events.allocation_added(name, views.allocation(self.topology, new, name))
+                self.events.allocation_added(name, views.allocation(
+                    self.topology, new, name, self.partition_report(name)))
             elif before[name] is not after[name] or name in reasons or (
                 new.records.get(name) is not old.records.get(name)
             ):
-                diff = views.changed(views.allocation(old_topology, old, name),
-                                     views.allocation(self.topology, new, name))
+                was_partition = (old_partitions or self.partition_states).get(name)
+                diff = views.changed(views.allocation(old_topology, old, name, was_partition),
+                                     views.allocation(self.topology, new, name,
+                                                      self.partition_report(name)))
                 self.events.allocation_changed(name, reasons.get(name, "changed"), diff)
         was, now = old.ledger, new.ledger
         if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):

@@ -33,3 +33,9 @@ class LimitExceeded(CPUServiceError):
     """A per-user limit (max_allocations_per_user, max_cpus_per_user) would be exceeded."""
 
     dbus_name = "org.cpuservice1.Error.LimitExceeded"
+
+
+class NotSupported(CPUServiceError):
+    """This host cannot do what was asked (e.g. a cpuset partition on systemd < 261)."""
+
+    dbus_name = "org.cpuservice1.Error.NotSupported"

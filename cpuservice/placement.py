@@ -1,27 +1,47 @@
 """Placement: which CPUs a request gets, and what systemd is told. Pure; no I/O.
 
 Bound whole CPUs are chosen in two steps. First the NUMA nodes (alignment and strategy), then,
-inside them, a walk down socket -> node -> L3 group -> core -> thread that at every level takes
-the best-fitting group that holds the rest of the request (closest to the CPUs the allocation
-already has, then fewest free CPUs: packing), or, when none does, whole free groups first and the
-remainder in the best-fitting group. So a socket-sized request takes a socket, 2 CPUs on SMT-2 take
-one core, and a single thread goes to a partly used core.
+inside them, the CPUs the policy takes (_pick):
+
+- packed and full-pcpus (pack): whole cores for every part of the request that fills one, chosen
+  by a walk down socket -> node -> L3 group -> core that at every level takes the best-fitting
+  group that holds the rest of the request (closest to the CPUs the allocation already has, then
+  fewest free: packing), or, when none does, whole free groups first and the remainder in the
+  best-fitting group (_take, run on one thread per wholly free core). A lone thread only for what
+  is left (an odd remainder on SMT-2), and then the free sibling of a half-used core first, the
+  allocation's own or an L3 neighbour's, before a single-thread core, before splitting a wholly
+  free core; best fit between groups never overrides this. full-pcpus never splits a core: it
+  takes whole cores of any size (on hybrid machines single-thread cores too) or fails.
+- spread-pcpus: one thread per core, first on cores another spread-pcpus allocation half uses
+  (packed leaves those threads to it), then on wholly free cores, then on other partly free
+  cores; then further threads.
+
+So a socket-sized request takes a socket, 2 CPUs on SMT-2 take one core, 3 take a core and the
+free sibling of a half-used core next to it, and fragments go to loose threads first as well.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from itertools import combinations
-from math import comb
+from math import comb, gcd
 from types import MappingProxyType
 
 from .cpuset import CPUSet
 from .errors import AllocationExists, InsufficientCPUs, InvalidArgument, NoSuchAllocation
 from .pools import Allocation, Fragment, Ledger
-from .request import Options, Request, validate_name
+from .request import (
+    Exclusive,
+    NumaAlignment,
+    NumaStrategy,
+    Options,
+    Policy,
+    Request,
+    validate_name,
+)
 from .topology import Topology
 
 UNLIMITED = 2**32 - 1
@@ -29,6 +49,7 @@ WEIGHT_MAX = 10_000
 WEIGHT_DEFAULT = 100
 USEC_PER_SEC = 1_000_000
 _MAX_COMBOS = 5_000
+_STRICT_ALIGNMENT = (NumaAlignment.RESTRICTED, NumaAlignment.SINGLE_NUMA_NODE)
 
 
 @dataclass(frozen=True)
@@ -138,7 +159,7 @@ def resize(
     base = ledger.without(name)
     check_amount(base, request)
     if old.bound:
-        whole, fragment = _bound(topology, base, request, old.whole, old.fragment)
+        whole, fragment = bound_cpus(topology, base, request, old.whole, old.fragment)
         new = Allocation(name, request, whole, fragment)
     else:
         new = Allocation(name, request)
@@ -169,7 +190,7 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
       isolated CPUs or the budget are used up, the rest is a closed form again. On 1,024 CPUs
       with a thousand allocations the slowest shapes take a few tens of milliseconds
       (bench/placement.py: capacity_worst_us). Topologies with a core split over two NUMA
-      nodes (never seen on hardware) fall back to placing with _bound, one allocation at a
+      nodes (never seen on hardware) fall back to placing with bound_cpus, one allocation at a
       time.
     """
     check_amount(ledger, request)
@@ -177,7 +198,7 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
         return UNLIMITED
     if request.cpuset is not None:
         try:
-            _bound(topology, ledger, request, CPUSet(), None)
+            bound_cpus(topology, ledger, request, CPUSet(), None)
         except InsufficientCPUs:
             return 0
         return 1
@@ -187,7 +208,7 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
         return _fragment_capacity(ledger, pieces)
     if ledger.free_isolated:  # isolated CPUs first (take_whole): replayed, at most free / X
         return _replay(topology, ledger, request)
-    if not pieces and request.options.exclusive != "numa":
+    if not pieces and request.options.exclusive != Exclusive.NUMA:
         opts = request.options
         cands = candidates(topology, ledger, opts, opts.exclusive)
         node_of = topology.levels[1]
@@ -260,21 +281,21 @@ def _unit_capacity(
     tpc = topology.threads_per_core
     core_of = topology.levels[3]
     if isolated and budget < shared:
-        if n == 1 and avoid == "none":
+        if n == 1 and avoid == Exclusive.NONE:
             return budget + isolated
         return None
     per = n
-    if avoid == "none" and opts.policy != "full-pcpus":
+    if avoid == Exclusive.NONE and opts.policy != Policy.FULL_PCPUS:
         units = {x: len(c) for x, c in cands.items()}
-    elif avoid == "pcpu" and n == 1:
+    elif avoid == Exclusive.PCPU and n == 1 and (opts.policy != Policy.FULL_PCPUS or tpc == 1):
         cores = {x: {core_of[c] for c in cs} for x, cs in cands.items()}
         units = {x: len(k) for x, k in cores.items()}
         if sum(units.values()) != len(set().union(*cores.values())):
             return None  # a core with candidates in two nodes
-    elif opts.policy == "full-pcpus" or (avoid == "pcpu" and opts.policy == "packed"
-                                         and n % tpc == 0):
-        if (opts.numa_strategy == "distribute-evenly" and len(topology.nodes) > 1
-                and opts.numa_alignment in ("best-effort", "restricted")):
+    elif (opts.policy == Policy.FULL_PCPUS
+          or (avoid == Exclusive.PCPU and opts.policy == Policy.PACKED)) and n % tpc == 0:
+        if (opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(topology.nodes) > 1
+                and opts.numa_alignment in (NumaAlignment.BEST_EFFORT, NumaAlignment.RESTRICTED)):
             return None  # split over nodes evenly, not by whole cores
         size = topology.core_size
         socket_of, _, l3_of, _ = topology.levels
@@ -293,9 +314,9 @@ def _unit_capacity(
     else:
         return None
     align = opts.numa_alignment
-    if align in ("none", "best-effort") or len(topology.nodes) <= 1:
+    if align in (NumaAlignment.NONE, NumaAlignment.BEST_EFFORT) or len(topology.nodes) <= 1:
         count = sum(units.values()) // per
-    elif align == "single-numa-node" or _min_nodes(topology, ledger, n) == 1:
+    elif align == NumaAlignment.SINGLE_NUMA_NODE or _min_nodes(topology, ledger, n) == 1:
         count = sum(u // per for u in units.values())
     else:
         return None
@@ -309,7 +330,7 @@ def _replay(topology: Topology, ledger: Ledger, request: Request) -> int:
     count = 0
     while True:
         try:
-            whole, fragment = _bound(topology, ledger, request, CPUSet(), None)
+            whole, fragment = bound_cpus(topology, ledger, request, CPUSet(), None)
         except InsufficientCPUs:
             return count
         # not a valid allocation name, so it never replaces one
@@ -326,12 +347,14 @@ class _Simulation:
     allocatable shared and free isolated CPUs, fragment CPUs' free pieces, the cores and nodes
     exclusivity excludes, the size of the shared pool.
 
-    Each step takes the same decisions as _bound, through the same functions wherever a choice
-    is made (_nodes_for, _even_split, _pick, _take, _Rank); it only avoids looking at the whole
+    Each step takes the same decisions as bound_cpus, through the same functions wherever a choice
+    is made (_nodes_for, _quotas, _pick, pack, _take, _Rank); it only avoids looking at the whole
     machine when the answer lies in one cell. Candidates are kept per cell and recomputed for the
-    cells a step touched; the walk of _take is followed through the socket, node and L3 levels on
-    counts and run on the one cell it reaches (on everything, from where it would take several
-    groups); the fragment is looked for among the fragment CPUs and takeable CPUs that share a
+    cells a step touched; packed and full-pcpus run pack on the candidates of the chosen nodes
+    (on machines without SMT, the walk of _take is followed through the socket, node and L3
+    levels on counts and run on the one cell it reaches, or on everything, from where it would
+    take several groups); spread-pcpus walks its first tier of one thread per core the same
+    way; the fragment is looked for among the fragment CPUs and takeable CPUs that share a
     core, an L3 group or a node with the whole CPUs (ranks 0-2 of take_fragment), and only when
     there are none on the whole machine. Needs every core inside one node (``nested``); when
     a core has threads in two L3 groups, the cells are whole nodes.
@@ -383,17 +406,20 @@ class _Simulation:
             self._index_fragment(c)
         self.used_cores: set[int] = set()
         self.used_nodes: set[int] = set()
-        if self.opts.exclusive != "none":
+        if self.opts.exclusive != Exclusive.NONE:
             for a in ledger.bound.values():
                 if a.request.options.exclusive == self.opts.exclusive:
                     self._use(a.held)
         self.numa_failed = False
+        # spread-pcpus' cores; spread-pcpus steps add theirs
+        self.shy = (set(spread_cores(topology, ledger))
+                    if request.options.policy != Policy.FULL_PCPUS else set())
         self._takeable: dict[Cell, set[int]] = {}
         # per avoid: the candidates of every cell and their count per node (nodes with any),
         # brought up to date from the cells steps touched (_stale) when next looked at
         self._views: dict[str, tuple[dict[Cell, set[int]], dict[int, int]]] = {}
         self._stale: dict[str, set[Cell]] = {}
-        self._primary: dict[tuple[Cell, str], tuple[list[int], list[int]]] = {}
+        self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
 
     def run(self) -> int:
         free = sum(map(len, self.free.values())) + self.isolated_left
@@ -428,13 +454,15 @@ class _Simulation:
         self.shared -= from_shared
         held = [*whole, fragment] if fragment is not None else whole
         touched = {self._cell(c) for c in held}
+        if self.opts.policy == Policy.SPREAD_PCPUS:
+            self.shy.update(self.core_of[c] for c in whole)
         if fragment is not None:
             if fresh:
                 self.rooms[fragment] = self.g - self.pieces
                 self._index_fragment(fragment)
             else:
                 self.rooms[fragment] -= self.pieces
-        if self.opts.exclusive != "none":
+        if self.opts.exclusive != Exclusive.NONE:
             new_nodes = {self.node_of[c] for c in held} - self.used_nodes
             self._use(held)  # their cores lie in the cells touched
             touched.update(cell for x in new_nodes for cell in self.cells_in.get(x, ()))
@@ -450,14 +478,17 @@ class _Simulation:
                 self._primary.pop((cell, avoid), None)
         return True
 
+    def _shy(self) -> Collection[int]:
+        return self.shy
+
     def _phase(self) -> tuple[bool, bool, bool]:
         return self.numa_failed, self._budget() > 0, self.isolated_left > 0
 
     def _rest(self) -> int | None:
         """What is left as a closed form, if it is one (whole CPUs only)."""
-        if self.pieces or (self.opts.exclusive == "numa" and not self.numa_failed):
+        if self.pieces or (self.opts.exclusive == Exclusive.NUMA and not self.numa_failed):
             return None
-        avoid = "pcpu" if self.opts.exclusive == "numa" else self.opts.exclusive
+        avoid = Exclusive.PCPU if self.opts.exclusive == Exclusive.NUMA else self.opts.exclusive
         view, _ = self._view(avoid)
         cands = {x: [c for cell in cells for c in view[cell]] for x, cells in self.cells_in.items()}
         shared = sum(map(len, self.free.values()))
@@ -489,11 +520,11 @@ class _Simulation:
     def _candidates(self, cell: Cell, avoid: str) -> set[int]:
         """candidates() in a cell (whole cores lie in one cell)."""
         free = self._takeable_in(cell)
-        if avoid == "numa" and cell[0] in self.used_nodes:
+        if avoid == Exclusive.NUMA and cell[0] in self.used_nodes:
             free = set()
-        elif avoid == "pcpu" and self.used_cores:
+        elif avoid == Exclusive.PCPU and self.used_cores:
             free = {c for c in free if self.core_of[c] not in self.used_cores}
-        if self.opts.policy == "full-pcpus":
+        if self.opts.policy == Policy.FULL_PCPUS:
             core_of, size = self.core_of, self.topology.core_size
             counts: dict[int, int] = {}
             for c in free:
@@ -525,33 +556,38 @@ class _Simulation:
         return cells, counts
 
     def _primaries(self, cell: Cell, avoid: str, cands: Collection[int]
-                   ) -> tuple[list[int], list[int]]:
-        """The lowest candidate thread of each core of a cell whose online threads are all
-        candidates, and of each other core with candidates (as _pick for spread-pcpus)."""
+                   ) -> tuple[list[int], ...]:
+        """The lowest candidate thread of each partly free core of a cell that spread-pcpus
+        uses, of each core whose online threads are all candidates, and of each other core with
+        candidates (as _pick for spread-pcpus)."""
         key = (cell, avoid)
         if key not in self._primary:
             cores: dict[int, list[int]] = {}
             for c in cands:
                 cores.setdefault(self.core_of[c], []).append(c)
+            paired: list[int] = []
             full: list[int] = []
             partial: list[int] = []
             for k, t in cores.items():
-                (full if len(t) == self.online_threads[k] else partial).append(min(t))
-            self._primary[key] = full, partial
+                if len(t) == self.online_threads[k]:
+                    full.append(min(t))
+                else:
+                    (paired if k in self.shy else partial).append(min(t))
+            self._primary[key] = paired, full, partial
         return self._primary[key]
 
     def _whole(self) -> list[int]:
         """take_whole."""
-        attempts = ("numa", "pcpu") if self.opts.exclusive == "numa" else (self.opts.exclusive,)
+        attempts = _attempts(self.opts)
         error = InsufficientCPUs("no CPUs")
         for avoid in attempts:
-            if avoid == "numa" and self.numa_failed:
+            if avoid == Exclusive.NUMA and self.numa_failed:
                 continue
             try:
                 return self._take_in_nodes(avoid)
             except InsufficientCPUs as exc:
                 error = exc
-                self.numa_failed = self.numa_failed or avoid == "numa"
+                self.numa_failed = self.numa_failed or avoid == Exclusive.NUMA
         raise error
 
     def _take_in_nodes(self, avoid: str) -> list[int]:
@@ -559,29 +595,34 @@ class _Simulation:
         cands, counts = self._view(avoid)
         if sum(counts.values()) < n:
             raise InsufficientCPUs(f"{n} CPUs requested but fewer are available")
-        if opts.numa_alignment != "none" and len(topology.nodes) > 1:
+        if opts.numa_alignment != NumaAlignment.NONE and len(topology.nodes) > 1:
             nodes = _nodes_for(topology, self.ledger, counts, n, opts, CPUSet())
-            if opts.numa_strategy == "distribute-evenly" and len(nodes) > 1:
+            if opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(nodes) > 1:
                 out: list[int] = []
-                quotas = _even_split([counts[x] for x in nodes], n)
+                quotas = _quotas(topology, [counts[x] for x in nodes], n, opts.policy)
                 for x, quota in zip(nodes, quotas, strict=False):
                     inside = [c for cell in self.cells_in[x] for c in cands[cell]]
-                    out += _pick(topology, inside, quota, frozenset(out), opts.policy)
+                    out += _pick(topology, inside, quota, frozenset(out), opts.policy,
+                                 self._shy)
                 return out
             counts = {x: counts[x] for x in nodes}
-        if opts.policy == "spread-pcpus":
+        if opts.policy == Policy.SPREAD_PCPUS:
             return self._spread(avoid, cands, counts)
-        return self._walk(cands, counts, n)
+        if topology.threads_per_core == 1:
+            return self._walk(cands, counts, n)
+        everything = [c for x in counts for cell in self.cells_in[x] for c in cands[cell]]
+        return _pick(topology, everything, n, frozenset(), opts.policy, self._shy)
 
     def _spread(self, avoid: str, cands: Mapping[Cell, Collection[int]],
                 counts: Mapping[int, int]) -> list[int]:
         """_pick for spread-pcpus over the candidates of the nodes in ``counts``: its first
-        _take (over one thread of each wholly free core, or when there is none, of each partly
-        free core) walked on counts when it takes all n; otherwise _pick itself."""
+        _take (over one thread of each partly free core spread-pcpus uses, or when there is
+        none, of each wholly free core, or else of each other partly free core) walked on counts
+        when it takes all n; otherwise _pick itself."""
         n = self.n
         primaries = {cell: self._primaries(cell, avoid, cands[cell])
                      for x in counts for cell in self.cells_in[x] if cands[cell]}
-        for i in (0, 1):
+        for i in (0, 1, 2):
             there = {cell: p[i] for cell, p in primaries.items() if p[i]}
             per_node: dict[int, int] = {}
             for (x, _), ps in there.items():
@@ -591,7 +632,7 @@ class _Simulation:
             if there:
                 break
         everything = [c for x in counts for cell in self.cells_in[x] for c in cands[cell]]
-        return _pick(self.topology, everything, n, frozenset(), self.opts.policy)
+        return _pick(self.topology, everything, n, frozenset(), self.opts.policy, self._shy)
 
     def _walk(self, cells: Mapping[Cell, Collection[int]], counts: Mapping[int, int], n: int
               ) -> list[int]:
@@ -656,16 +697,16 @@ class _Simulation:
                      [c for g in l3s for c in topology.l3_groups[g]]):
             fresh = [c for c in near if c not in anchor and c in self._takeable_in(self._cell(c))]
             if fresh:
-                return _take(topology, fresh, 1, anchor)[0], True
+                return pack(topology, fresh, 1, anchor)[0], True
         fresh = [c for x in nodes for cell in self.cells_in.get(x, ())
                  for c in self._takeable_in(cell) if c not in anchor]
         if fresh:
-            return _take(topology, fresh, 1, anchor)[0], True
-        if self.opts.numa_alignment in ("restricted", "single-numa-node"):
+            return pack(topology, fresh, 1, anchor)[0], True
+        if self.opts.numa_alignment in _STRICT_ALIGNMENT:
             raise InsufficientCPUs("no fragment CPU near the whole CPUs")
         fresh = [c for cell in self.free if cell[0] not in nodes for c in self._takeable_in(cell)]
         if fresh:
-            return _take(topology, fresh, 1, anchor)[0], True
+            return pack(topology, fresh, 1, anchor)[0], True
         existing = [c for c, room in rooms.items() if room >= pieces]
         if existing:
             return min(existing, key=lambda c: (rooms[c], c)), False
@@ -676,11 +717,11 @@ def _new_allocation(topology: Topology, ledger: Ledger, name: str, request: Requ
     check_amount(ledger, request)
     if not request.options.bind:
         return Allocation(name, request)
-    whole, fragment = _bound(topology, ledger, request, CPUSet(), None)
+    whole, fragment = bound_cpus(topology, ledger, request, CPUSet(), None)
     return Allocation(name, request, whole, fragment)
 
 
-def _bound(
+def bound_cpus(
     topology: Topology,
     ledger: Ledger,
     request: Request,
@@ -695,7 +736,7 @@ def _bound(
     n = request.whole
     _check_policy(topology, request)
     if n <= len(keep):
-        whole = CPUSet(_take(topology, keep.ids, n, frozenset()))
+        whole = CPUSet(_pick(topology, keep.ids, n, frozenset(), opts.policy))
     else:
         whole = keep | take_whole(topology, ledger, opts, n - len(keep), keep)
     fragment = None
@@ -721,12 +762,14 @@ def _bound(
 
 
 def _check_policy(topology: Topology, request: Request) -> None:
+    """full-pcpus: the whole CPUs must be a sum of core sizes (any count on a machine with
+    single-thread cores)."""
     n = request.whole
-    tpc = topology.threads_per_core
-    if request.options.policy == "full-pcpus" and n % tpc:
+    step = whole_core_step(topology)
+    if request.options.policy == Policy.FULL_PCPUS and n % step:
         raise InvalidArgument(
             f"policy full-pcpus takes whole physical cores: {n} whole CPUs is not a multiple "
-            f"of {tpc} threads per core"
+            f"of {step} threads per core"
         )
 
 
@@ -748,8 +791,8 @@ def candidates(topology: Topology, ledger: Ledger, opts: Options, avoid: str) ->
     """CPUs this request may take whole, after exclusivity (``avoid``: none|pcpu|numa) and
     policy filters."""
     free = set(ledger.takeable.ids)
-    if avoid != "none":
-        key = topology.levels[3 if avoid == "pcpu" else 1]
+    if avoid != Exclusive.NONE:
+        key = topology.levels[3 if avoid == Exclusive.PCPU else 1]
         used = {
             key[c]
             for a in ledger.bound.values()
@@ -757,7 +800,7 @@ def candidates(topology: Topology, ledger: Ledger, opts: Options, avoid: str) ->
             for c in a.held
         }
         free = {c for c in free if key[c] not in used}
-    if opts.policy == "full-pcpus":
+    if opts.policy == Policy.FULL_PCPUS:
         core = topology.levels[3]
         counts: dict[int, int] = {}
         for c in free:
@@ -767,13 +810,20 @@ def candidates(topology: Topology, ledger: Ledger, opts: Options, avoid: str) ->
     return free
 
 
+def _attempts(opts: Options) -> tuple[Exclusive, ...]:
+    """The exclusivity take_whole tries in turn: numa falls back to pcpu."""
+    if opts.exclusive == Exclusive.NUMA:
+        return Exclusive.NUMA, Exclusive.PCPU
+    return (opts.exclusive,)
+
+
 def take_whole(
     topology: Topology, ledger: Ledger, opts: Options, n: int, anchor: CPUSet
 ) -> CPUSet:
     """``n`` more whole CPUs for a bound allocation that already holds ``anchor``."""
     if n <= 0:
         return CPUSet()
-    attempts = ("numa", "pcpu") if opts.exclusive == "numa" else (opts.exclusive,)
+    attempts = _attempts(opts)
     error = InsufficientCPUs("no CPUs")
     for avoid in attempts:
         cands = candidates(topology, ledger, opts, avoid) - anchor.ids
@@ -796,7 +846,7 @@ def _isolated_first(
             return _take_in_nodes(topology, ledger, set(iso), n, opts, anchor)
     got = _take_in_nodes(topology, ledger, cands, n, opts, anchor)
     if (iso and len(iso) < n and len(set(got) - iso) > ledger.shared_budget
-            and opts.numa_alignment not in ("restricted", "single-numa-node")):
+            and opts.numa_alignment not in _STRICT_ALIGNMENT):
         rest = _take_in_nodes(topology, ledger, cands - iso, n - len(iso), opts,
                               anchor | CPUSet(iso))
         return sorted(iso) + rest
@@ -812,21 +862,47 @@ def _take_in_nodes(
     anchor: CPUSet,
 ) -> list[int]:
     if len(cands) < n:
-        what = "whole free cores" if opts.policy == "full-pcpus" else "CPUs"
-        raise _shortage(ledger, f"{n} CPUs requested but only {len(cands)} {what} are available")
+        raise _shortage(ledger, _too_few(n, len(cands), opts.policy))
     nodes = _choose_nodes(topology, ledger, cands, n, opts, anchor)
     near = anchor.ids
+
+    def shy() -> frozenset[int]:
+        return spread_cores(topology, ledger)
     if nodes is None:
-        return _pick(topology, cands, n, near, opts.policy)
+        return _pick(topology, cands, n, near, opts.policy, shy)
     node_of = topology.levels[1]
-    if opts.numa_strategy == "distribute-evenly" and len(nodes) > 1:
+    if opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(nodes) > 1:
         per_node = {x: [c for c in cands if node_of[c] == x] for x in nodes}
         out: list[int] = []
-        for x, quota in zip(nodes, _even_split([len(per_node[x]) for x in nodes], n), strict=False):
-            out += _pick(topology, per_node[x], quota, near | frozenset(out), opts.policy)
+        quotas = _quotas(topology, [len(per_node[x]) for x in nodes], n, opts.policy)
+        for x, quota in zip(nodes, quotas, strict=False):
+            out += _pick(topology, per_node[x], quota, near | frozenset(out), opts.policy, shy)
         return out
     chosen = set(nodes)
-    return _pick(topology, [c for c in cands if node_of[c] in chosen], n, near, opts.policy)
+    return _pick(topology, [c for c in cands if node_of[c] in chosen], n, near, opts.policy, shy)
+
+
+def _too_few(n: int, available: int, policy: str) -> str:
+    """The shortage message; counts CPUs, never cores."""
+    where = "on whole free cores " if policy == Policy.FULL_PCPUS else ""
+    return f"{n} CPUs requested but only {available} CPUs {where}are available"
+
+
+def spread_cores(topology: Topology, ledger: Ledger) -> frozenset[int]:
+    """Cores on which a spread-pcpus allocation holds a thread: packed leaves their other
+    threads to later spread-pcpus requests while other threads will do."""
+    core_of = topology.levels[3]
+    return frozenset(core_of[c] for a in ledger.bound.values()
+                     if a.request.options.policy == Policy.SPREAD_PCPUS for c in a.whole)
+
+
+def _quotas(topology: Topology, free: list[int], n: int, policy: str) -> list[int]:
+    """distribute-evenly's share of each node: _even_split, in whole cores for full-pcpus
+    (where the nodes hold whole cores)."""
+    step = whole_core_step(topology) if policy == Policy.FULL_PCPUS else 1
+    if step > 1 and sum(f // step for f in free) >= n // step:
+        return [q * step for q in _even_split([f // step for f in free], n // step)]
+    return _even_split(free, n)  # cores split over nodes (never seen on hardware)
 
 
 def _even_split(free: list[int], n: int) -> list[int]:
@@ -854,7 +930,7 @@ def _choose_nodes(
     anchor: CPUSet,
 ) -> list[int] | None:
     """The NUMA nodes to place in, in order of preference; None when NUMA doesn't matter."""
-    if opts.numa_alignment == "none" or len(topology.nodes) <= 1:
+    if opts.numa_alignment == NumaAlignment.NONE or len(topology.nodes) <= 1:
         return None
     node_of = topology.levels[1]
     free: dict[int, int] = {}
@@ -875,15 +951,16 @@ def _nodes_for(
     align = opts.numa_alignment
     node_of = topology.levels[1]
     anchored = {node_of[c] for c in anchor}
-    sign = 1 if opts.numa_strategy == "most-allocated" else -1
+    sign = 1 if opts.numa_strategy == NumaStrategy.MOST_ALLOCATED else -1
 
     def order(x: int) -> tuple[bool, int, int]:
         return (x not in anchored, sign * free[x], x)
 
-    singles = [x for x in free if free[x] >= n and (align == "best-effort" or anchored <= {x})]
+    singles = [x for x in free
+               if free[x] >= n and (align == NumaAlignment.BEST_EFFORT or anchored <= {x})]
     if singles:
         return [min(singles, key=order)]
-    if align == "single-numa-node":
+    if align == NumaAlignment.SINGLE_NUMA_NODE:
         best = max(free.values(), default=0)
         raise InsufficientCPUs(
             f"numa-alignment single-numa-node: no NUMA node has {n} free CPUs (at most {best})"
@@ -895,7 +972,7 @@ def _nodes_for(
         if sum(sorted(free.values(), reverse=True)[:k]) < n:
             continue
         combo = _best_combo(ranked, k, n, free, anchored, node_socket, sign)
-        if align == "restricted":
+        if align == NumaAlignment.RESTRICTED:
             needed = _min_nodes(topology, ledger, n + len(anchor))
             if k + len(anchored - set(combo)) > needed:
                 raise InsufficientCPUs(
@@ -949,23 +1026,137 @@ def _min_nodes(topology: Topology, ledger: Ledger, n: int) -> int:
 
 
 def _pick(
-    topology: Topology, cands: Collection[int], n: int, near: frozenset[int], policy: str
+    topology: Topology,
+    cands: Collection[int],
+    n: int,
+    near: frozenset[int],
+    policy: str,
+    shy: Callable[[], Collection[int]] = frozenset,
 ) -> list[int]:
-    if policy != "spread-pcpus":
-        return _take(topology, cands, n, near)
+    """``n`` of ``cands`` as ``policy`` takes them (``shy()``: the cores spread-pcpus
+    allocations use, asked for only when they matter)."""
+    if policy != Policy.SPREAD_PCPUS:
+        return pack(topology, cands, n, near, strict=policy == Policy.FULL_PCPUS, shy=shy)
     core_of = topology.levels[3]
     cores: dict[int, list[int]] = {}
     for c in cands:
         cores.setdefault(core_of[c], []).append(c)
+    spread = shy()
+    paired = [min(t) for k, t in cores.items()
+              if len(t) != len(topology.cores[k]) and k in spread]
     full = [min(t) for k, t in cores.items() if len(t) == len(topology.cores[k])]
-    partial = [min(t) for k, t in cores.items() if len(t) != len(topology.cores[k])]
+    partial = [min(t) for k, t in cores.items()
+               if len(t) != len(topology.cores[k]) and k not in spread]
     out: list[int] = []
-    for primaries in (full, partial):
+    for primaries in (paired, full, partial):
         out += _take(topology, primaries, min(n - len(out), len(primaries)), near)
     if len(out) < n:
         rest = set(cands) - set(out)
         out += _take(topology, rest, n - len(out), near | frozenset(out))
     return out
+
+
+def whole_core_step(topology: Topology) -> int:
+    """The step in which whole cores add up: the greatest common divisor of the core sizes (2
+    on SMT-2, 1 on a machine with any single-thread core)."""
+    return gcd(*topology.core_size.values()) if topology.core_size else 1
+
+
+def pack(
+    topology: Topology,
+    cands: Collection[int],
+    n: int,
+    near: Collection[int] = frozenset(),
+    *,
+    strict: bool = False,
+    shy: Callable[[], Collection[int]] = frozenset,
+) -> list[int]:
+    """``n`` of ``cands``, packed without splitting a core that need not be split.
+
+    First whole cores: as many wholly free cores of threads_per_core threads as fit in ``n``,
+    chosen by the best-fit walk of _take on one thread per core (so by whole-core counts, near
+    ``near`` first). Then the rest, one thread at a time where it does the least harm: a loose
+    thread (the free sibling of a half-used core), nearest first (a sibling of ``near`` or of
+    the cores just taken, then the same L3 group, then the same node), loose threads on ``shy()``
+    cores last within a rank; then single-thread cores (hybrid machines, or cores with offline
+    threads); only then a thread of a wholly free core. ``strict`` (full-pcpus): never a thread
+    of a core without the others: InsufficientCPUs when whole cores cannot make ``n``.
+    """
+    if n <= 0:
+        return []
+    tpc = topology.threads_per_core
+    if not strict and (tpc == 1 or n >= len(cands)):
+        return _take(topology, cands, n, frozenset(near)) if n < len(cands) else list(cands)
+    core_of = topology.levels[3]
+    by_core: dict[int, list[int]] = {}
+    for c in cands:
+        by_core.setdefault(core_of[c], []).append(c)
+    wide: list[int] = []  # one thread of each wholly free core of tpc threads
+    single: list[int] = []  # wholly free cores of fewer online threads
+    loose: list[int] = []
+    for k, threads in by_core.items():
+        if len(threads) < len(topology.cores[k]):
+            loose += threads
+        elif len(threads) == tpc:
+            wide.append(min(threads))
+        else:
+            single += threads
+    out: list[int] = []
+    k = min(n // tpc, len(wide))
+    if k:
+        for primary in _take(topology, wide, k, frozenset(near)):
+            out += topology.cores[core_of[primary]].ids
+    left = n - len(out)
+    if not left:
+        return out
+    rank = _Rank(topology, [*near, *out])
+    spread: Collection[int] = shy() if loose and not strict else ()
+    for tier in range(1 if strict else 3):
+        if strict:
+            cpus = _whole_cores_of(topology, single, left)
+        elif tier == 2:  # split the best-fitting wholly free core not taken whole (left < tpc)
+            taken_cores = {core_of[c] for c in out}
+            rest = [p for p in wide if core_of[p] not in taken_cores]
+            if rest:
+                core = core_of[_take(topology, rest, 1, frozenset([*near, *out]))[0]]
+                return out + sorted(by_core[core])[:left]
+            break
+        else:
+            cpus = (loose, single)[tier]
+        buckets: dict[tuple[int, bool], list[int]] = {}
+        for c in cpus:
+            buckets.setdefault((rank(c), core_of[c] in spread), []).append(c)
+        for key in sorted(buckets):
+            bucket = buckets[key]
+            got = _take(topology, bucket, min(left, len(bucket)), frozenset([*near, *out]))
+            out += got
+            left -= len(got)
+            if not left:
+                return out
+    sizes: dict[int, int] = {}
+    for k, threads in by_core.items():
+        if len(threads) == len(topology.cores[k]):
+            sizes[len(threads)] = sizes.get(len(threads), 0) + 1
+    free = ", ".join(f"{count} of {size} thread{'s' * (size > 1)}"
+                     for size, count in sorted(sizes.items(), reverse=True)) or "none"
+    raise InsufficientCPUs(
+        f"{n} CPUs requested but whole free cores cannot make exactly {n} CPUs here "
+        f"(whole free cores: {free})"
+    )
+
+
+def _whole_cores_of(topology: Topology, single: Collection[int], n: int) -> list[int]:
+    """Threads of whole small cores (from ``single``) adding up to at most ``n``, smallest
+    cores first (full-pcpus on a hybrid machine: one-thread cores make an odd remainder)."""
+    core_of = topology.levels[3]
+    cores: dict[int, list[int]] = {}
+    for c in single:
+        cores.setdefault(core_of[c], []).append(c)
+    out: list[int] = []
+    for k in sorted(cores, key=lambda k: (len(cores[k]), k)):
+        if len(out) + len(cores[k]) <= n:
+            out += cores[k]
+    return out if len(out) == n else []
 
 
 def _take(
@@ -1027,7 +1218,7 @@ def take_fragment(
     """
     g = ledger.granularity
     rank = _Rank(topology, anchor)
-    aligned_only = bool(anchor) and opts.numa_alignment in ("restricted", "single-numa-node")
+    aligned_only = bool(anchor) and opts.numa_alignment in _STRICT_ALIGNMENT
     existing = [
         c for c, used in ledger.fragment_pieces.items()
         if g - used >= pieces and c not in anchor and (not aligned_only or rank(c) <= 2)
@@ -1038,7 +1229,7 @@ def take_fragment(
     fresh = [c for c in ledger.takeable - anchor if not aligned_only or rank(c) <= 2]
     if fresh:
         nearest = min(map(rank, fresh))
-        chosen = _take(topology, [c for c in fresh if rank(c) == nearest], 1, anchor.ids)
+        chosen = pack(topology, [c for c in fresh if rank(c) == nearest], 1, anchor.ids)
         return Fragment(chosen[0], pieces)
     if best is not None:
         return Fragment(best, pieces)

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from collections.abc import Sequence
 from decimal import Decimal
 
 from . import placement
 from .cpuset import CPUSet
 from .errors import CPUServiceError
-from .fixtures import MACHINES, write_sysfs
+from .fixtures import MACHINES, SHAPES
 from .pools import Ledger, check_invariants
 from .repair import repair
 from .request import Request, parse_amount
-from .topology import Topology, discover
+from .sysfs import discover
+from .topology import Topology
 
 
 def _options(text: str) -> dict[str, object]:
@@ -87,15 +87,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cpuservice-plan", description=__doc__.splitlines()[0])
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--sysfs-root", default=None, help="sysfs tree to read (default /sys)")
-    where.add_argument("--machine", choices=sorted(MACHINES), help="a built-in fixture machine")
+    where.add_argument("--machine", choices=sorted({**MACHINES, **SHAPES}),
+                       help="a built-in fixture machine (or a real-machine shape)")
     parser.add_argument("--reserved", default="", help="reserved CPUs (cpu list)")
     parser.add_argument("--granularity", type=int, choices=(100, 1000), default=100)
     parser.add_argument("--min-shared", type=int, default=1)
+    parser.add_argument("--draw", action="store_true",
+                        help="end with the machine drawn as cpuservicectl topology draws it")
     parser.add_argument("steps", nargs="*")
     args = parser.parse_args(argv)
     if args.machine:
-        with tempfile.TemporaryDirectory(prefix="cpuservice-plan-") as tmp:
-            full = topology = discover(write_sysfs(tmp, args.machine))
+        full = topology = {**MACHINES, **SHAPES}[args.machine].topology()  # built in memory
     else:
         full = topology = discover(args.sysfs_root or "/sys")
     ledger = Ledger(
@@ -119,7 +121,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             status = 1
         check_invariants(ledger)
         print(render(topology, ledger))
+    if args.draw:
+        from . import topoview
+
+        print(topoview.draw_ledger(topology, ledger, colour=sys.stdout.isatty(),
+                                   style=topoview.Style(unicode=_utf8())))
     return status
+
+
+def _utf8() -> bool:
+    from .ctl_output import unicode_wanted
+
+    return unicode_wanted(sys.stdout)
 
 
 if __name__ == "__main__":

@@ -5,25 +5,28 @@ the service answers anyone. A restart changes no unit that is already right."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
 
-from . import units
+from . import journal, units
 from .checkpoint import CheckpointError, Record, State, from_payload, fsync_dir
 from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger, kernel_holders
 from .errors import CPUServiceError
 from .irqs import KERNEL_HOLDERS
 from .lifetime import ended as unit_ended
 from .pools import Allocation, InvariantError, Ledger, check_invariants
-from .repair import repair
+from .repair import Change, repair
 from .targets import own_slice
+from .topology import Topology
 
 log = logging.getLogger(__name__)
 
 
 async def start(engine: Engine) -> None:
     """Recover the state and make systemd hold it."""
+    began = time.monotonic()
     async with engine.lock:
         base = empty_ledger(engine.config, engine.topology)
         try:
@@ -32,9 +35,11 @@ async def start(engine: Engine) -> None:
             aside = engine.store.set_aside()
             log.error("%s; kept it as %s and rebuilt the state from systemd's units", exc, aside)
             payload = None
+        source = "checkpoint"
         if payload is not None:
             state = from_payload(payload, base)
-        else:  # no checkpoint (lost, or never written): our slices say what runs
+        else:
+            source = "units"  # no checkpoint (lost, or never written): our slices say what runs
             state = await from_units(engine.systemd, base)
             if state.ledger.allocations:
                 log.warning("no checkpoint: rebuilt %d allocation(s) from their slices",
@@ -43,23 +48,43 @@ async def start(engine: Engine) -> None:
             log.warning("checkpoint uses granularity %d, config says %d: keeping %d until "
                         "every allocation is released", state.ledger.granularity,
                         base.granularity, state.ledger.granularity)
-        state = without(state, await vanished(engine.systemd, state), "its unit is gone")
-        state = without(state, [n for n in await ended(engine.systemd, state)
-                                if own_slice(state.records[n])], "its unit ended")
+        gone = await vanished(engine.systemd, state)
+        ended_now = [n for n in await ended(engine.systemd, state)
+                     if own_slice(state.records[n])]
+        events = [journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason)
+                  for names, reason in ((gone, "its unit is gone"), (ended_now, "its unit ended"))
+                  for name in names]
+        state = without(state, gone + ended_now)
         ledger, changes = repair(engine.topology, state.ledger)
-        for change in changes:
-            log.info("startup repair: %s: %s", change.name, change.reason)
         new = State(ledger, state.records)
         check_invariants(ledger)
         engine.store.save(new)
         mark_confinement(engine)  # before systemd confines anything: a crash cannot hide it
         await engine.sync(new)
         engine.state = new
+        for e in events + restored(engine.topology, new, changes, source):
+            engine.audit.send(e)
+        engine.counters.repair("startup", time.monotonic() - began, len(changes))
         await confinement(engine)
         # foreign units whose lifetime=unit allocation ended while the daemon was down get
         # their saved values back, and only then is the allocation forgotten
         for name in await ended(engine.systemd, engine.state):
             await release(engine, name, "its unit ended")
+
+
+def restored(topology: Topology, state: State, changes: list[Change],
+             source: str) -> list[journal.Event]:
+    """The audit trail of a start: each allocation kept (from the checkpoint or the units),
+    and what the startup repair changed (pure)."""
+    repaired = {c.name: c for c in changes}
+    events = []
+    for name in sorted(state.ledger.allocations):
+        events.append(journal.event(journal.Kind.RESTORED, topology, state, name,
+                                    f"from the {source}", source=source))
+        if (c := repaired.get(name)) is not None:
+            events.append(journal.event(journal.Kind.REPAIRED, topology, state, name, c.reason,
+                                        lost=c.lost.format(), gained=c.gained.format()))
+    return events
 
 
 CONFINED_MARK = "host-confined"  # beside the checkpoint: the host units have the shared pool
@@ -110,7 +135,7 @@ async def release(engine: Engine, name: str, reason: str) -> None:
     record = records.pop(name, Record())
     await engine.commit(State(state.ledger.without(name), records), {name},
                         checkpoint_first=own_slice(record))
-    log.info("allocation %s released (%s)", name, reason)
+    engine.audit.send(journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason))
 
 
 async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
@@ -174,10 +199,9 @@ async def ended(systemd: SystemdAPI, state: State) -> list[str]:
             and await unit_ended(systemd, state.records.get(name, Record()))]
 
 
-def without(state: State, names: list[str], reason: str) -> State:
+def without(state: State, names: list[str]) -> State:
     ledger, records = state.ledger, dict(state.records)
     for name in names:
-        log.info("allocation %s dropped: %s", name, reason)
         ledger = ledger.without(name)
         records.pop(name, None)
     return State(ledger, records)

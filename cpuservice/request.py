@@ -6,7 +6,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Literal, Optional
+from enum import StrEnum
+from typing import Any, Optional
 
 from pydantic import Field, StrictBool, StrictStr
 
@@ -14,11 +15,54 @@ from . import compat
 from .cpuset import CPUSet, CPUSetError
 from .errors import InvalidArgument
 
-Policy = Literal["packed", "full-pcpus", "spread-pcpus"]
-Exclusive = Literal["none", "pcpu", "numa"]
-NumaStrategy = Literal["most-allocated", "least-allocated", "distribute-evenly"]
-NumaAlignment = Literal["none", "best-effort", "restricted", "single-numa-node"]
-Lifetime = Literal["persistent", "unit"]
+
+class Policy(StrEnum):
+    """Which CPUs a bound allocation takes (option ``policy``)."""
+
+    PACKED = "packed"
+    FULL_PCPUS = "full-pcpus"
+    SPREAD_PCPUS = "spread-pcpus"
+
+
+class Exclusive(StrEnum):
+    """What a bound allocation shares with others of the same setting (option ``exclusive``)."""
+
+    NONE = "none"
+    PCPU = "pcpu"
+    NUMA = "numa"
+
+
+class NumaStrategy(StrEnum):
+    """Which NUMA node(s) come first (option ``numa-strategy``)."""
+
+    MOST_ALLOCATED = "most-allocated"
+    LEAST_ALLOCATED = "least-allocated"
+    DISTRIBUTE_EVENLY = "distribute-evenly"
+
+
+class NumaAlignment(StrEnum):
+    """How strictly an allocation keeps to few NUMA nodes (option ``numa-alignment``)."""
+
+    NONE = "none"
+    BEST_EFFORT = "best-effort"
+    RESTRICTED = "restricted"
+    SINGLE_NUMA_NODE = "single-numa-node"
+
+
+class Lifetime(StrEnum):
+    """How long an allocation lives (option ``lifetime``)."""
+
+    PERSISTENT = "persistent"
+    UNIT = "unit"
+
+
+class Partition(StrEnum):
+    """The cgroup cpuset partition an allocation asks for (option ``partition``)."""
+
+    NONE = "none"
+    ROOT = "root"
+    ISOLATED = "isolated"
+
 
 _AMOUNT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -29,14 +73,15 @@ class Options(compat.StrictModel):
     """The ``a{sv}`` options of Allocate/Plan/Capacity; keys as in the D-Bus contract."""
 
     bind: StrictBool = False
-    policy: Policy = "packed"
-    exclusive: Exclusive = "none"
-    numa_strategy: NumaStrategy = Field("most-allocated", alias="numa-strategy")
-    numa_alignment: NumaAlignment = Field("best-effort", alias="numa-alignment")
+    policy: Policy = Policy.PACKED
+    exclusive: Exclusive = Exclusive.NONE
+    numa_strategy: NumaStrategy = Field(NumaStrategy.MOST_ALLOCATED, alias="numa-strategy")
+    numa_alignment: NumaAlignment = Field(NumaAlignment.BEST_EFFORT, alias="numa-alignment")
     cpuset: Optional[StrictStr] = None  # noqa: UP045 - pydantic 1.10 needs Optional
     memory_nodes: StrictBool = Field(False, alias="memory-nodes")
     unit: Optional[StrictStr] = None  # noqa: UP045
-    lifetime: Lifetime = "persistent"
+    lifetime: Lifetime = Lifetime.PERSISTENT
+    partition: Partition = Partition.NONE
 
 
 OPTION_KEYS = compat.field_aliases(Options)

@@ -5,6 +5,7 @@ committed through the engine (checkpoint, reconcile transaction, events).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import secrets
@@ -14,7 +15,7 @@ from dataclasses import replace
 from decimal import Decimal
 from typing import Any
 
-from . import placement, recovery, units
+from . import journal, partitions, placement, recovery, units
 from .checkpoint import Record, State
 from .engine import UNIT_IFACE, Engine, Events, cgroup_iface
 from .errors import (
@@ -24,15 +25,17 @@ from .errors import (
     NoSuchAllocation,
     SystemdFailure,
 )
+from .journal import Kind
 from .lifetime import Lifetime
 from .placement import Placement
 from .pools import Allocation, Ledger
 from .repair import repair
 from .request import Request, parse_amount, validate_name
-from .targets import own_slice
+from .targets import own_slice, partition_of, partition_of_request
 from .topology import Topology, discover, refresh
 
 log = logging.getLogger(__name__)
+PARTITION_CHECK_SECONDS = 5.0
 
 
 class Service:
@@ -49,6 +52,7 @@ class Service:
         # must not act on another that took its name meanwhile
         self._serials: dict[str, int] = {}
         self._next_serial = itertools.count(1)
+        self._partition_watch: asyncio.Task[None] | None = None
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -71,6 +75,14 @@ class Service:
     @events.setter
     def events(self, events: Events) -> None:
         self.engine.events = events
+
+    def audit(self, kind: Kind, state: State, name: str, reason: str = "", **extra: str) -> None:
+        """Record a committed change of ``name`` (its values as ``state`` holds them), with the
+        uid of the D-Bus caller who asked for it, if one did."""
+        caller = journal.CALLER.get()
+        if caller is not None:
+            extra["caller_uid"] = str(caller)
+        self.engine.audit.send(journal.event(kind, self.topology, state, name, reason, **extra))
 
     def allocation(self, name: str) -> Allocation:
         try:
@@ -114,7 +126,16 @@ class Service:
         return placement.describe(self.topology, self.ledger, self.allocation(name))
 
     def request(self, cpus: str, options: Mapping[str, Any]) -> Request:
-        return Request.parse(cpus, options, self.config.defaults)
+        """A validated request; its partition is the one it can have (see partitions.check)."""
+        request = Request.parse(cpus, options, self.config.defaults)
+        opts = request.options
+        wanted = partition_of_request(request)
+        effective = partitions.check(wanted, "partition" in options, opts.bind,
+                                     request.fraction == 0, opts.unit, self.engine.capabilities)
+        if effective != wanted:
+            request = Request.parse(cpus, {**options, "partition": str(effective)},
+                                    self.config.defaults)
+        return request
 
     def plan(self, cpus: str, options: Mapping[str, Any]) -> Placement:
         return placement.place(self.topology, self.ledger, self.request(cpus, options))
@@ -125,10 +146,43 @@ class Service:
     # ---- changes -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Recover (checkpoint, topology, systemd), then follow lifetime=unit allocations."""
+        """Learn what the host can do, recover (checkpoint, topology, systemd), then follow
+        lifetime=unit allocations and the kernel's reports of partitions."""
+        await self.engine.detect_capabilities()
         await recovery.start(self.engine)
         await self.lifetime.watch_all()
         self.lifetime.schedule()
+        await self.heal_partitions()
+        if self.engine.capabilities.partitions and self._partition_watch is None:
+            self._partition_watch = asyncio.create_task(self._watch_partitions())
+
+    async def _watch_partitions(self) -> None:
+        """Something outside cpuservice can make a partition invalid (a foreign partition on
+        the same CPUs, every CPU of it offline): look again every PARTITION_CHECK_SECONDS."""
+        while True:
+            await asyncio.sleep(PARTITION_CHECK_SECONDS)
+            try:
+                await self.heal_partitions()
+            except Exception:  # the watch must outlive one failed look
+                log.exception("checking partitions failed")
+
+    async def heal_partitions(self) -> None:
+        """Announce partitions the kernel reports invalid (degraded), and set each such slice's
+        partition again (member, then what it asked for), so the kernel checks it anew; what
+        stays invalid stays degraded, with the kernel's reason, until the next look."""
+        if not any(partition_of(a) != partitions.NONE
+                   for a in self.ledger.allocations.values()):
+            return
+        async with self.lock:
+            for name in await self.engine.check_partitions():
+                a, unit = self.allocation(name), self.record(name).unit
+                if not a.held:
+                    continue
+                for mode in (partitions.MEMBER, partition_of(a)):
+                    await self.engine.effector.set_properties(
+                        unit, {partitions.PROPERTY: ("s", str(mode))}, missing_ok=True)
+                log.info("allocation %s: set the partition of %s again", name, unit)
+            await self.engine.check_partitions("partition repaired")
 
     async def allocate(
         self, name: str, cpus: str, options: Mapping[str, Any], owner: int,
@@ -147,6 +201,7 @@ class Service:
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
             record = Record(owner, unit, saved, fresh=fresh)
             await self.engine.commit(State(ledger, {**self.state.records, name: record}), {name})
+            self.audit(Kind.ALLOCATED, self.state, name)
             self._serials[name] = next(self._next_serial)
             if request.options.lifetime == "unit":
                 self.lifetime.track(name)
@@ -160,7 +215,8 @@ class Service:
         the properties it has no runtime override for (see Record.fresh)."""
         unit = request.options.unit
         if unit is None:
-            return units.slice_name(name, request.options.bind), {}, ()
+            return units.slice_name(name, request.options.bind,
+                                    partition_of_request(request)), {}, ()
         for other, rec in self.state.records.items():
             if rec.unit == unit:
                 raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")
@@ -183,15 +239,16 @@ class Service:
         """``serial``: act only if ``name`` is still that allocation (see serial())."""
         async with self.lock:
             self._same(name, serial)
+            old = self.state
             ledger = placement.release(self.ledger, name)
             records = dict(self.state.records)
             record = records.pop(name, Record())
             # a foreign unit's saved values leave the checkpoint only once systemd has them back
             await self.engine.commit(State(ledger, records), {name},
                                      checkpoint_first=own_slice(record))
+            self.audit(Kind.RELEASED, old, name, reason)
             self._serials.pop(name, None)
             await self.lifetime.unwatch(name)
-            log.info("allocation %s released (%s)", name, reason)
 
     async def resize(self, name: str, cpus: str, serial: int | None = None,
                      limited: bool = False) -> Allocation:
@@ -199,12 +256,17 @@ class Service:
         async with self.lock:
             self._same(name, serial)
             old = self.allocation(name)
+            if partition_of(old) != partitions.NONE and amount != int(amount):
+                raise InvalidArgument(
+                    f"allocation {name!r} is a {partition_of(old)} partition: it needs a whole "
+                    f"number of CPUs, not {cpus}")
             if limited and amount > old.request.cpus:
                 self.check_limits(self.record(name).owner, name,
                                   Request.build(amount, old.request.options))
             ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
             await self.engine.commit(State(ledger, self.state.records), {name},
                                      {name: f"resized to {amount}"})
+            self.audit(Kind.RESIZED, self.state, name, f"from {old.request.cpus} CPUs")
             return allocation
 
     async def attach(self, name: str, pids: Sequence[int], serial: int | None = None) -> str:
@@ -213,7 +275,7 @@ class Service:
             self._same(name, serial)
             allocation = self.allocation(name)
             record = self.record(name)
-            own = units.slice_name(name, allocation.bound)
+            own = units.slice_name(name, allocation.bound, partition_of(allocation))
             if record.unit != own:
                 raise InvalidArgument(
                     f"allocation {name!r} applies to unit {record.unit!r}: start processes there"
@@ -231,6 +293,8 @@ class Service:
             if not record.populated:
                 records = {**self.state.records, name: replace(record, populated=True)}
                 await self.engine.commit(State(self.ledger, records), {name})
+            self.audit(Kind.ATTACHED, self.state, name, scope=scope,
+                       pids=",".join(str(p) for p in pids))
             return scope
 
     async def revalidate(self, full: bool = True) -> None:
@@ -243,10 +307,14 @@ class Service:
                 topology = discover(self.config.sysfs_root, previous=old_topology)
             else:
                 topology = refresh(self.config.sysfs_root, old_topology)
-            state = self.state
+            state = before = self.state
+            await self.engine.check_partitions("hotplug")  # what the event did to partitions
+            gone: list[str] = []
             if full:  # a foreign unit that vanished: nothing to apply to, nothing to restore
                 gone = await recovery.vanished(self.systemd, state)
-                state = recovery.without(state, gone, "its unit is gone")
+                state = recovery.without(state, gone)
+            dropped = [journal.event(Kind.RELEASED, old_topology, before, name,
+                                     "its unit is gone") for name in gone]
             ledger, changes = repair(topology, state.ledger)
             reasons = {c.name: c.reason for c in changes}
             if topology == old_topology and not reasons and not full:
@@ -255,6 +323,14 @@ class Service:
             # would repair the same way from the old one.
             await self.engine.commit(State(ledger, state.records), None, reasons,
                                      sync=full, checkpoint_first=full, topology=topology)
-            log.info("%s: online %s; %s (%.0f ms)", "revalidate" if full else "CPU hotplug",
-                     topology.online, reasons or "nothing to repair",
-                     (time.monotonic() - began) * 1000)
+            for e in dropped:
+                self.engine.audit.send(e)
+            for c in changes:
+                self.audit(Kind.REPAIRED, self.state, c.name, c.reason, lost=c.lost.format(),
+                           gained=c.gained.format())
+            seconds = time.monotonic() - began
+            self.engine.counters.repair("revalidate" if full else "hotplug", seconds,
+                                        len(changes))
+            log.info("%s: online %s; %d allocation(s) repaired (%.0f ms)",
+                     "revalidate" if full else "CPU hotplug", topology.online, len(changes),
+                     seconds * 1000)

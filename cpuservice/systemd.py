@@ -167,6 +167,11 @@ class Systemd:
             raise
         return str(path)
 
+    async def manager_version(self) -> str:
+        """systemd's Version property ("262.1-1")."""
+        (value,) = await self.call("Get", "ss", [MANAGER, "Version"], interface=PROPERTIES)
+        return str(value.value)
+
     async def load_state(self, unit: str) -> str:
         """LoadState after asking systemd to load the unit: "loaded", "not-found", "masked",
         "bad-setting", "error" (a stopped unit that systemd unloaded is still "loaded")."""

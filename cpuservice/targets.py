@@ -6,17 +6,27 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from . import placement, units
+from . import partitions, placement, units
 from .checkpoint import Record, State
 from .cpuset import CPUSet
 from .pools import Allocation
 from .reconcile import UnitSpec
+from .request import Request
 from .topology import Topology
 
 
 def own_slice(record: Record) -> bool:
     """Whether the allocation has its own slice (foreign units never start with cpuservice)."""
-    return record.unit.startswith("cpuservice-")
+    return units.is_own(record.unit)
+
+
+def partition_of_request(request: Request) -> str:
+    """The cpuset partition a request's slice is made (``none``: not a partition)."""
+    return str(getattr(request.options, "partition", partitions.NONE))
+
+
+def partition_of(a: Allocation) -> str:
+    return partition_of_request(a.request)
 
 
 def follows_shared(a: Allocation, own: bool) -> bool:
@@ -53,7 +63,9 @@ class Targets:
         if hit is not None and hit[0] is a and hit[1] is record and hit[2] == shared:
             return hit[3]
         p = placement.describe(topology, state.ledger, a)
-        props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own)
+        props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own,
+                                       partition_of(a) if own else partitions.NONE,
+                                       bool(a.held))
         if own:
             props["Description"] = ("s", units.describe(name, units.description_fields(a, record)))
         spec = UnitSpec(props, own, {} if own else record.saved, () if own else record.fresh)

@@ -3,8 +3,10 @@
 Layout: ``cpuservice.slice`` > ``cpuservice-shared.slice`` (AllowedCPUs = the shared pool) >
 ``cpuservice-shared-<name>.slice`` per unbound allocation (quota and weight; inherits the CPUs),
 and ``cpuservice.slice`` > ``cpuservice-bound.slice`` > ``cpuservice-bound-<name>.slice`` per
-bound allocation (AllowedCPUs, plus quota and weight when fractional). With the ``unit`` option the
-allocation's properties go to that unit instead.
+bound allocation (AllowedCPUs, plus quota and weight when fractional). A bound allocation with a
+cpuset partition (option ``partition``) has ``cpuservice_partition_<name>.slice`` instead, directly
+below the root (see cpuservice.partitions). With the ``unit`` option the allocation's properties
+go to that unit instead.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from . import partitions
 from .checkpoint import Record
 from .cpuset import CPUSet
 from .errors import InvalidArgument
@@ -23,6 +26,7 @@ from .pools import Allocation, Fragment
 from .request import Request, parse_options
 
 ROOT = "cpuservice.slice"
+PARTITION_PREFIX = "cpuservice_partition_"  # a top-level slice: no '-' of its own
 SHARED = "cpuservice-shared.slice"
 BOUND = "cpuservice-bound.slice"
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
@@ -32,6 +36,8 @@ _PLAIN = re.compile(r"[A-Za-z0-9_:]")
 # name -> (D-Bus signature, value), as systemd's SetUnitProperties takes them
 Props = dict[str, tuple[str, Any]]
 CPU_PROPERTIES = ("AllowedCPUs", "CPUWeight", "CPUQuotaPerSecUSec", "AllowedMemoryNodes")
+# what is read back of cpuservice's own slices (CPUSetPartition: systemd >= 261 only)
+OWN_PROPERTIES = (*CPU_PROPERTIES, partitions.PROPERTY)
 
 
 def escape(name: str) -> str:
@@ -51,14 +57,25 @@ def unescape(text: str) -> str:
     )
 
 
-def slice_name(name: str, bound: bool) -> str:
+def slice_name(name: str, bound: bool, partition: str = partitions.NONE) -> str:
+    """The slice of an allocation of its own (a partition's is a top-level slice)."""
+    if partition != partitions.NONE:
+        return f"{PARTITION_PREFIX}{escape(name)}.slice"
     return f"cpuservice-{'bound' if bound else 'shared'}-{escape(name)}.slice"
+
+
+def is_own(unit: str) -> bool:
+    """Whether ``unit`` is named as cpuservice's own (foreign units never are)."""
+    return unit.startswith(("cpuservice-", PARTITION_PREFIX))
 
 
 def name_of_slice(unit: str) -> tuple[str, bool] | None:
     """(allocation name, bound) for one of our per-allocation slices: exactly the name
     slice_name() gives, so that a slice somebody made inside an allocation's slice
     (``cpuservice-bound-db-batch.slice`` under ``cpuservice-bound-db.slice``) is not ours."""
+    if unit.startswith(PARTITION_PREFIX) and unit.endswith(".slice"):
+        name = unescape(unit[len(PARTITION_PREFIX):-len(".slice")])
+        return (name, True) if name and slice_name(name, True, "root") == unit else None
     m = re.fullmatch(r"cpuservice-(bound|shared)-(.+)\.slice", unit)
     if not m:
         return None
@@ -96,13 +113,21 @@ class Target:
 
 
 def allocation_props(
-    placement: Placement, bound: bool, memory_nodes: bool, explicit_cpus: bool
+    placement: Placement, bound: bool, memory_nodes: bool, explicit_cpus: bool,
+    partition: str = partitions.NONE, held: bool = True,
 ) -> Props:
     """Properties of one allocation's unit. ``explicit_cpus``: set AllowedCPUs even for unbound
-    allocations (a foreign unit does not inherit the shared slice's set)."""
+    allocations (a foreign unit does not inherit the shared slice's set). ``partition``: the
+    partition its slice is, while it ``held`` CPUs of its own. One that lost every CPU (hotplug,
+    nothing free to replace them) becomes a plain member on the shared pool until a repair gives
+    it CPUs again: Linux 7.2 keeps a partition whose CPUs all went offline "valid" with no CPU at
+    all, and the processes in its child cgroups stranded on the offline CPUs (seen in the sid
+    lab), so it must not stay a partition."""
     props: Props = {}
     if bound or explicit_cpus:
         props["AllowedCPUs"] = ("ay", placement.cpus.to_mask())
+    if partition != partitions.NONE:
+        props[partitions.PROPERTY] = ("s", partition if held else partitions.MEMBER)
     quota = placement.cpu_quota_usec
     props["CPUQuotaPerSecUSec"] = ("t", NO_QUOTA if quota is None else quota)
     props["CPUWeight"] = ("t", placement.cpu_weight)
@@ -116,7 +141,7 @@ def shared_props(shared: CPUSet) -> Props:
 
 
 _SIGNATURES = {"AllowedCPUs": "ay", "AllowedMemoryNodes": "ay", "CPUWeight": "t",
-               "CPUQuotaPerSecUSec": "t", "Description": "s"}
+               "CPUQuotaPerSecUSec": "t", "Description": "s", partitions.PROPERTY: "s"}
 
 
 def observed_props(values: Mapping[str, Any]) -> Props:
@@ -152,6 +177,9 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
         "lifetime": opts.lifetime, "owner": str(record.owner),
         "whole": a.whole.format() or "-",
     }
+    partition = str(getattr(opts, "partition", partitions.NONE))
+    if partition != partitions.NONE:
+        fields["partition"] = partition
     if a.request.cpuset is not None:
         fields["cpuset"] = a.request.cpuset.format()
     if a.fragment:
@@ -165,7 +193,7 @@ def from_description(fields: Mapping[str, str], unit: str) -> tuple[Allocation, 
     name = fields["name"]
     options: dict[str, Any] = {k: fields[k] for k in
                                ("policy", "exclusive", "numa-strategy", "numa-alignment",
-                                "lifetime", "cpuset") if k in fields}
+                                "lifetime", "cpuset", "partition") if k in fields}
     options["bind"] = fields["bind"] == "true"
     options["memory-nodes"] = fields["memory-nodes"] == "true"
     request = Request.build(Decimal(fields["cpus"]), parse_options(options))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import placement
+from . import partitions, placement
 from .checkpoint import Record, State
 from .pools import Ledger
 from .topology import Topology
@@ -26,19 +26,24 @@ def manager(ledger: Ledger) -> dict[str, Any]:
     }
 
 
-def allocation(topology: Topology, state: State, name: str) -> dict[str, Any]:
-    """The org.cpuservice1.Allocation properties of one allocation."""
+def allocation(topology: Topology, state: State, name: str,
+               partition: partitions.State | None = None) -> dict[str, Any]:
+    """The org.cpuservice1.Allocation properties of one allocation (``partition``: what the
+    kernel reports of its slice's cpuset partition, when it asked for one)."""
     a = state.ledger.allocations[name]
     record = state.records.get(name, Record())
     p = placement.describe(topology, state.ledger, a)
+    wanted = str(getattr(a.request.options, "partition", partitions.NONE))
     return {
         "Name": name, "CPUs": str(a.request.cpus), "Bound": a.bound,
         "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
         "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
         "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
         "Unit": record.unit, "Owner": record.owner,
-        "State": "degraded" if a.degraded else "active",
+        "State": "degraded" if a.degraded or partitions.degraded(wanted, partition)
+        else "active",
         "Lifetime": a.request.options.lifetime,
+        **partitions.views(wanted, partition),
     }
 
 

@@ -33,6 +33,9 @@ if command -v scdoc >/dev/null; then
         scdoc < "$f" > "/usr/local/share/man/man${page##*.}/$page"
     done
 fi
+install -d /usr/local/lib/systemd/catalog  # journalctl -x explains the audit entries
+install -m644 "$src/systemd/cpuservice.catalog" /usr/local/lib/systemd/catalog/
+journalctl --update-catalog
 install -d /etc/cpuservice
 [ -e /etc/cpuservice/cpuservice.toml ] || install -m644 "$src/systemd/cpuservice.toml" /etc/cpuservice/
 busctl call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig

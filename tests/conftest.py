@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice.fixtures import write_sysfs
-from cpuservice.topology import Topology, discover
+from cpuservice.fixtures import MACHINES, SHAPES
+from cpuservice.topology import Topology
 
 
 def unavailable(reason: str) -> None:
@@ -25,12 +25,13 @@ def sysfs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def machine(sysfs_dir: Path):  # type: ignore[no-untyped-def]
-    """machine("b") -> the Topology of fixture machine b."""
+    """machine("b") -> the Topology of fixture machine b (or of a shape in SHAPES), built in
+    memory (tests/unit/test_discovery.py checks that discovery on its written tree agrees)."""
     cache: dict[str, Topology] = {}
 
     def get(name: str) -> Topology:
         if name not in cache:
-            cache[name] = discover(write_sysfs(sysfs_dir / name, name))
+            cache[name] = {**MACHINES, **SHAPES}[name].topology()
         return cache[name]
 
     return get

@@ -1,4 +1,7 @@
-"""VM lab: QEMU (software emulation) booting Debian 12's kernel on a debootstrapped Debian 12 root.
+"""VM lab: QEMU (software emulation) booting a Debian kernel on a debootstrapped Debian root.
+
+Two releases: Debian 12 (``BOOKWORM``: the host's own kernel from /boot, systemd 252) and Debian
+sid (``SID``: the kernel installed in the image itself, systemd >= 261 with ``CPUSetPartition=``).
 
 Default shape: 8 vCPUs as 2 sockets x 2 cores x 2 threads, 2 NUMA nodes, pure cgroup v2, udev,
 polkitd and an unprivileged user ``alice``. The root filesystem image is built once and cached,
@@ -7,8 +10,8 @@ payload disk holding the checkout's package and the scenarios. A oneshot unit in
 each scenario as root and writes its output and exit status to the second serial port, then
 powers off.
 
-    python -m tests.envs.lab build           # build (or find) the cached image
-    python -m tests.envs.lab run SCRIPT...   # boot once, run shell scripts, print their output
+    python -m tests.envs.lab [--sid] build           # build (or find) the cached image
+    python -m tests.envs.lab [--sid] run SCRIPT...   # boot once, run shell scripts, print output
 """
 
 from __future__ import annotations
@@ -36,8 +39,22 @@ PAYLOAD_DIRS = ("cpuservice", "dbus", "systemd", "scripts", "tests/lab/scenarios
 PACKAGES = (
     "systemd", "systemd-sysv", "libpam-systemd", "dbus", "udev", "polkitd", "python3",
     "python3-dbus-fast", "python3-pydantic", "python3-pyudev", "procps", "util-linux",
-    "irqbalance",
+    "irqbalance", "prometheus-node-exporter",
 )
+
+
+@dataclass(frozen=True)
+class Release:
+    """A Debian release the lab can boot: its suite, packages, and where its kernel comes from
+    (the host's /boot, or the image's own /boot, copied out beside the cached image)."""
+
+    suite: str
+    packages: tuple[str, ...]
+    own_kernel: bool = False
+
+
+BOOKWORM = Release("bookworm", PACKAGES)
+SID = Release("sid", (*PACKAGES, "linux-image-amd64"), own_kernel=True)
 RUNNER = """#!/bin/sh
 # Mounts the payload disk and runs its runner (so the runner can change without a new image).
 mkdir -p /payload
@@ -131,13 +148,13 @@ class Result:
     seconds: float = 0.0
 
 
-def kernel() -> tuple[Path, Path]:
-    """The newest Debian kernel in /boot with its initrd."""
-    for vmlinuz in sorted(Path("/boot").glob("vmlinuz-*"), reverse=True):
-        initrd = Path("/boot") / vmlinuz.name.replace("vmlinuz-", "initrd.img-")
+def kernel(boot: Path = Path("/boot")) -> tuple[Path, Path]:
+    """The newest Debian kernel in ``boot`` with its initrd."""
+    for vmlinuz in sorted(boot.glob("vmlinuz-*"), reverse=True):
+        initrd = boot / vmlinuz.name.replace("vmlinuz-", "initrd.img-")
         if initrd.exists():
             return vmlinuz, initrd
-    raise LabError("no kernel with an initrd in /boot (scripts/install-deps.sh lab)")
+    raise LabError(f"no kernel with an initrd in {boot} (scripts/install-deps.sh lab)")
 
 
 def mirror() -> str:
@@ -160,8 +177,9 @@ def mirror() -> str:
     raise LabError("no bookworm archive found in this machine's apt sources")
 
 
-def recipe_key() -> str:
-    recipe = {"version": RECIPE_VERSION, "packages": PACKAGES, "runner": RUNNER, "unit": UNIT}
+def recipe_key(release: Release = BOOKWORM) -> str:
+    recipe = {"version": RECIPE_VERSION, "suite": release.suite, "packages": release.packages,
+              "runner": RUNNER, "unit": UNIT}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -173,27 +191,38 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def base_image() -> Path:
-    """The cached root filesystem image for the current recipe, built when missing."""
-    image = CACHE / f"base-{recipe_key()}.img"
+def base_image(release: Release = BOOKWORM) -> Path:
+    """The cached root filesystem image of ``release`` for the current recipe, built when
+    missing (with, for a release with its own kernel, that kernel and initrd beside it)."""
+    image = CACHE / f"{release.suite}-{recipe_key(release)}.img"
     with _locked(CACHE / "build.lock"):
         if image.exists():
             return image
-        for old in CACHE.glob("base-*.img"):
-            old.unlink()
-        rootfs = CACHE / "rootfs.tmp"
+        for old in [*CACHE.glob(f"{release.suite}-*"), *CACHE.glob("base-*.img")]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        rootfs = CACHE / f"rootfs-{release.suite}.tmp"
         shutil.rmtree(rootfs, ignore_errors=True)
         subprocess.run(
-            ["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", "bookworm",
-             str(rootfs), mirror()],
+            ["debootstrap", "--variant=minbase", f"--include={','.join(release.packages)}",
+             release.suite, str(rootfs), mirror()],
             check=True, stdout=subprocess.DEVNULL,
         )
         _customize(rootfs)
+        if release.own_kernel:
+            boot = image.with_suffix(".boot")
+            boot.mkdir()
+            for part in kernel(rootfs / "boot"):
+                shutil.copy(part, boot / part.name)
         partial = image.with_suffix(".tmp")
         _mkfs(rootfs, partial, "3G")
         partial.rename(image)
         shutil.rmtree(rootfs)
     return image
+
+
+def kernel_of(release: Release, image: Path) -> tuple[Path, Path]:
+    """The kernel and initrd to boot ``image`` of ``release`` with."""
+    return kernel(image.with_suffix(".boot")) if release.own_kernel else kernel()
 
 
 def _mkfs(tree: Path, image: Path, size: str) -> None:
@@ -216,6 +245,8 @@ def _customize(rootfs: Path) -> None:
     (rootfs / "etc/hostname").write_text("cpuservice-lab\n")
     # irqbalance is there for the interrupt isolation scenario, which starts it itself
     (wants / "irqbalance.service").unlink(missing_ok=True)
+    # the node exporter is there for the metrics scenario, which starts it itself
+    (wants / "prometheus-node-exporter.service").unlink(missing_ok=True)
     subprocess.run(["chroot", str(rootfs), "useradd", "-m", "alice"], check=True)
 
 
@@ -244,8 +275,9 @@ def _payload(workdir: Path, scenarios: Mapping[str, Scenario], files: Sequence[P
     return image
 
 
-def _qemu_argv(shape: Shape, base: Path, payload: Path, workdir: Path) -> list[str]:
-    vmlinuz, initrd = kernel()
+def _qemu_argv(shape: Shape, base: Path, payload: Path, workdir: Path,
+               boot: tuple[Path, Path]) -> list[str]:
+    vmlinuz, initrd = boot
     per_node = shape.cpus // shape.nodes
     mem = shape.memory_mb // shape.nodes
     numa: list[str] = []
@@ -281,19 +313,21 @@ def run(
     scenarios: Mapping[str, str | Scenario],
     shape: Shape = Shape(),
     files: Sequence[Path] = (),
+    release: Release = BOOKWORM,
 ) -> Run:
-    """Boot once, run the scenarios (name -> shell script or Scenario) in order, return their
-    results. ``files`` are copied to /payload/files in the VM. The whole run is bounded by the
-    boot allowance plus every scenario's time limit."""
+    """Boot ``release`` once, run the scenarios (name -> shell script or Scenario) in order,
+    return their results. ``files`` are copied to /payload/files in the VM. The whole run is
+    bounded by the boot allowance plus every scenario's time limit."""
     plan = {n: s if isinstance(s, Scenario) else Scenario(s) for n, s in scenarios.items()}
     timeout = BOOT_ALLOWANCE + sum(s.timeout + 10 for s in plan.values())
-    base = base_image()
+    base = base_image(release)
+    boot = kernel_of(release, base)
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cpuservice-lab-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
         payload = _payload(workdir, plan, files)
         env = {**os.environ, "TMPDIR": str(workdir)}
-        qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir), env=env,
+        qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir, boot), env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 preexec_fn=_die_with_parent)
@@ -355,7 +389,11 @@ def _tail(workdir: Path) -> str:
     for name in ("console.log", "scenarios.log"):
         path = workdir / name
         if path.exists():
-            parts.append(f"{name}: {path.read_text(errors='replace')[-1500:]}")
+            text = path.read_text(errors="replace")
+            # a kernel oops: from its first line; scenarios: enough to see the last ones
+            oops = max(text.find("------------[ cut here ]"), text.find("BUG: "))
+            parts.append(f"{name}: {text[oops:oops + 3000] if oops >= 0 else text[-1500:]}"
+                         if name == "console.log" else f"{name}: {text[-6000:]}")
     return " | ".join(parts)
 
 
@@ -370,13 +408,16 @@ def _parse(log: str) -> dict[str, Result]:
 
 
 def main(argv: Sequence[str]) -> int:
+    release = BOOKWORM
+    if argv[:1] == ["--sid"]:
+        release, argv = SID, argv[1:]
     if argv[:1] == ["build"]:
-        print(base_image())
+        print(base_image(release))
         return 0
     if argv[:1] == ["run"] and len(argv) > 1:
         scripts = {re.sub(r"[^a-z0-9-]", "-", Path(p).stem.lower()): Path(p).read_text()
                    for p in argv[1:]}
-        outcome = run(scripts)
+        outcome = run(scripts, release=release)
         for result in outcome.results.values():
             print(f"== {result.name}: exit {result.status}\n{result.output}")
         print(f"boot {outcome.boot_seconds:.1f} s, total {outcome.total_seconds:.1f} s")

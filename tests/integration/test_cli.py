@@ -7,7 +7,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.integration.service_env import ServiceHost, eventually
+from tests.integration.service_env import CONFIG, ServiceHost, eventually
 from tests.integration.test_service import allocations
 from tests.unit.test_topoview import SCENES
 
@@ -15,7 +15,9 @@ GOLDEN = Path(__file__).parents[1] / "unit/golden"
 
 
 def ctl(daemon: ServiceHost, *args: str) -> subprocess.CompletedProcess[str]:
-    return daemon.c.run(["cpuservicectl", "--no-ask-password", *args], check=False)
+    """cpuservicectl in the container, in a UTF-8 locale whatever the caller's."""
+    return daemon.c.run(["env", "-u", "LC_ALL", "-u", "LC_CTYPE", "LANG=C.UTF-8",
+                         "cpuservicectl", "--no-ask-password", *args], check=False)
 
 
 def test_allocate_list_show_release_text_and_json(daemon: ServiceHost) -> None:
@@ -24,7 +26,8 @@ def test_allocate_list_show_release_text_and_json(daemon: ServiceHost) -> None:
     assert ctl(daemon, "allocate", "batch", "1.5").returncode == 0
     listing = ctl(daemon, "list").stdout
     assert listing.splitlines()[0].split() == ["NAME", "CPUS", "BOUND", "CPUSET", "QUOTA",
-                                               "WEIGHT", "STATE", "OWNER", "UNIT"]
+                                               "WEIGHT", "STATE", "USER", "UNIT"]
+    assert "root(0)" in listing
     assert "batch  1.5   no     2-7" in listing and "150%" in listing
     rows = json.loads(ctl(daemon, "--json", "list").stdout)
     assert {r["Name"]: r["CPUSet"] for r in rows} == {"web": "0-1", "batch": "2-7"}
@@ -51,6 +54,8 @@ def test_status_plan_capacity(daemon: ServiceHost) -> None:
     assert ctl(daemon, "capacity", "1").stdout.strip() == "unlimited"
     assert json.loads(ctl(daemon, "--json", "capacity", "1", "--bind").stdout) == {
         "capacity": 5, "unlimited": False}
+    assert json.loads(ctl(daemon, "-j", "capacity", "1").stdout) == {
+        "capacity": None, "unlimited": True}
     assert sorted(allocations(daemon)) == ["a"]
 
 
@@ -91,10 +96,41 @@ def test_watch_prints_one_line_per_event(daemon: ServiceHost) -> None:
     ctl(daemon, "allocate", "w", "1", "--bind")
     ctl(daemon, "release", "w")
     out, _ = watcher.communicate(timeout=20)
-    lines = out.splitlines()[1:]
+    lines = [line.split(" ", 2)[2] for line in out.splitlines()[1:]]  # after the timestamp
     assert lines[0] == "AllocationAdded w /org/cpuservice1/allocation/w"
     assert "PoolsChanged 1-7 0 " in lines
     assert "AllocationRemoved w /org/cpuservice1/allocation/w" in lines
+
+
+def test_status_of_one_allocation_from_systemd(daemon: ServiceHost) -> None:
+    """The unit's state, tasks and CPU usage as systemd's own D-Bus properties report them."""
+    assert ctl(daemon, "allocate", "st", "2", "--bind").returncode == 0
+    daemon.c.run(["systemd-run", "--slice=cpuservice-bound-st.slice", "--unit=st-worker",
+                  "sleep", "300"])
+    try:
+        status = ctl(daemon, "status", "st").stdout
+        assert status.startswith("st - 2 CPU(s), bound, active"), status
+        assert "Unit: cpuservice-bound-st.slice: active (active)" in status, status
+        assert "NUMA nodes: 0" in status, status
+        js = json.loads(ctl(daemon, "-j", "status", "st").stdout)
+        assert js["UnitState"]["ActiveState"] == "active"
+        # this container's hybrid cgroups count no tasks or CPU time: null, not 2^64-1 (the
+        # VM lab shows them, tests/lab/test_lab_agent.py)
+        assert "TasksCurrent" in js["UnitState"] and "CPUUsageNSec" in js["UnitState"]
+        assert js["UnitState"]["TasksCurrent"] in (None, 1)
+    finally:
+        daemon.c.run(["systemctl", "stop", "st-worker"], check=False)
+
+
+def test_service_not_running_names_the_fix(daemon: ServiceHost) -> None:
+    """The service cannot start (a config error): the bus's activation fails, and the message
+    says where to look."""
+    daemon.stop()
+    (daemon.c.root / CONFIG.lstrip("/")).write_text("no_such_key = 1\n")
+    out = ctl(daemon, "status")
+    assert out.returncode == 1 and len(out.stderr.splitlines()) == 1, out.stderr
+    assert "cpuserviced is not running" in out.stderr, out.stderr
+    assert "systemctl status cpuservice" in out.stderr, out.stderr
 
 
 def test_revalidate(daemon: ServiceHost) -> None:

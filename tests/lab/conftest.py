@@ -60,9 +60,9 @@ def debs(lab_ready: None) -> Iterator[list[Path]]:
 
 
 def _boot(name: str, scenarios: dict[str, lab.Scenario], shape: lab.Shape = DEFAULT,
-          files: list[Path] | None = None) -> lab.Run:
+          files: list[Path] | None = None, release: lab.Release = lab.BOOKWORM) -> lab.Run:
     if name not in BOOTS:
-        BOOTS[name] = lab.run(scenarios, shape, files=files or [])
+        BOOTS[name] = lab.run(scenarios, shape, files=files or [], release=release)
     return BOOTS[name]
 
 
@@ -70,6 +70,13 @@ def _boot(name: str, scenarios: dict[str, lab.Scenario], shape: lab.Shape = DEFA
 def main_boot(debs: list[Path]) -> lab.Run:
     """One boot of the default shape that runs every scenario of plan.MAIN."""
     return _boot("main", plan.MAIN, files=debs)
+
+
+@pytest.fixture(scope="session")
+def modern_boot(lab_ready: None) -> lab.Run:
+    """One boot of Debian sid (systemd >= 261, Linux 7.x) that runs every scenario of
+    plan.MODERN."""
+    return _boot("modern", plan.MODERN, release=lab.SID)
 
 
 @pytest.fixture(scope="session")

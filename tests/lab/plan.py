@@ -12,6 +12,7 @@ M = "org.cpuservice1 /org/cpuservice1 org.cpuservice1.Manager"
 A = "org.cpuservice1 /org/cpuservice1/allocation/pkg org.cpuservice1.Allocation"
 HOTPLUG = "python3 /payload/tests/lab/scenarios/hotplug.py"
 IRQS = "python3 /payload/tests/lab/scenarios/irqs.py"
+PARTITIONS = "python3 /payload/tests/lab/scenarios/partitions.py"
 
 TOPOLOGY = """python3 - <<'PY'
 import json
@@ -220,8 +221,28 @@ MAIN: dict[str, Scenario] = {
     "fulldisk": Scenario(FULL_DISK, 240, ("install",)),
     "irqs": Scenario(f"{IRQS} check no", 120, ("install",)),
     "irqs-irqbalance": Scenario(f"{IRQS} check yes", 150, ("install",)),
+    "partition-refused": Scenario(f"{PARTITIONS} refused", 60, ("install",)),
+    "agent": Scenario("bash /payload/tests/lab/scenarios/agent.sh", 480, ("install",)),
+    "metrics": Scenario("python3 /payload/tests/lab/scenarios/metrics.py", 120, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.
 SMALL = Shape(sockets=1, cores=2, threads=2, nodes=1, memory_mb=1024, append="isolcpus=3")
 SMALL_SCENARIOS: dict[str, Scenario] = {"topology": Scenario(TOPOLOGY, 60)}
+
+# Debian sid (systemd >= 261, Linux 7.x; lab.SID), the default shape, one boot: the kernel cpuset
+# partitions, then the hotplug repair and storm of the Debian 12 boot without and with them.
+MODERN: dict[str, Scenario] = {
+    "versions": Scenario("uname -r; systemctl --version | head -1; "
+                         "cat /sys/fs/cgroup/cgroup.controllers; python3 -c 'import sys; "
+                         "from importlib.metadata import version as v; print(sys.version.split()"
+                         "[0], v(\"dbus-fast\"), v(\"pydantic\"))'", 30),
+    "install": Scenario(INSTALL, 300),
+    "capabilities": Scenario(f"{PARTITIONS} capabilities", 60, ("install",)),
+    "partition-isolated": Scenario(f"{PARTITIONS} isolated", 120, ("install",)),
+    "partition-offline": Scenario(f"{PARTITIONS} offline", 120, ("install",)),
+    "repair": Scenario(f"{HOTPLUG} repair", 150, ("install",)),
+    "repair-partitioned": Scenario(f"{HOTPLUG} repair --partition isolated", 150, ("install",)),
+    "storm": Scenario(f"{HOTPLUG} storm", 300, ("install",)),
+    "storm-partitioned": Scenario(f"{HOTPLUG} storm --partition root", 300, ("install",)),
+}

@@ -11,6 +11,7 @@ from typing import Any
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.errors import SystemdFailure
+from cpuservice.partitions import State as PartitionState
 from cpuservice.units import dropin_paths
 
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
@@ -52,6 +53,9 @@ class FakeSystemd:
         self.on_unit_new: Callable[[str], None] = lambda unit: None
         self.on_unit_state: Callable[[str, str], None] = lambda path, state: None
         self.watched: set[str] = set()
+        self.version = "252.39-1~deb12u1"
+        self.partitions = False  # slices know CPUSetPartition (systemd >= 261)
+        self.invalid: dict[str, str] = {}  # unit -> why the kernel calls its partition invalid
 
     # ---- failure injection ----
 
@@ -148,6 +152,18 @@ class FakeSystemd:
             gone = set(dropin_paths(unit, names))
             u.props["DropInPaths"] = [p for p in u.props.get("DropInPaths", []) if p not in gone]
 
+    async def manager_version(self) -> str:
+        return self.version
+
+    def read_partition(self, control_group: str) -> PartitionState | None:
+        """What the kernel would report in the cgroup's cpuset.cpus.partition."""
+        u = self.units.get(control_group.rsplit("/", 1)[-1])
+        if u is None:
+            return None
+        mode = str(u.props.get("CPUSetPartition") or "member")
+        reason = self.invalid.get(u.name)
+        return PartitionState(mode, reason, False) if reason else PartitionState(mode)
+
     async def load_state(self, unit: str) -> str:
         u = self.units.get(unit)
         return "not-found" if u is None else str(u.props.get("LoadState", "loaded"))
@@ -156,13 +172,16 @@ class FakeSystemd:
         return self.path(unit) if unit in self.units else None
 
     async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]:
-        if unit not in self.units:
+        if unit not in self.units and unit != "-.slice":  # the root slice is always loaded
             return {}
-        u = self.units[unit]
+        u = self.units.get(unit, Unit(unit))
         values: dict[str, Any] = {"AllowedCPUs": b"", "AllowedMemoryNodes": b"",
                                   "CPUWeight": 2**64 - 1, "CPUQuotaPerSecUSec": 2**64 - 1,
                                   "Description": unit, "ActiveState": u.active,
-                                  "LoadState": "loaded", "DropInPaths": []}
+                                  "LoadState": "loaded", "DropInPaths": [],
+                                  "ControlGroup": "/" + unit}
+        if self.partitions:
+            values["CPUSetPartition"] = ""
         values.update(u.props)
         return {k: values[k] for k in names if k in values}
 

@@ -169,12 +169,18 @@ SPLIT_CORE = [  # core 1 has a thread in each node: capacity replays allocate
     (0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (2, 1, 0, 0, 0), (3, 1, 0, 1, 0),
     (4, 2, 0, 1, 0), (5, 2, 0, 1, 0), (6, 3, 1, 1, 1), (7, 3, 1, 1, 1),
 ]
+HYBRID_ONE_L3 = [  # 4 two-thread cores and 4 one-thread cores sharing one L3 group and node
+    (0, 0, 0, 0, 0), (1, 0, 0, 0, 0), (2, 1, 0, 0, 0), (3, 1, 0, 0, 0),
+    (4, 2, 0, 0, 0), (5, 2, 0, 0, 0), (6, 3, 0, 0, 0), (7, 3, 0, 0, 0),
+    (8, 4, 0, 0, 0), (9, 5, 0, 0, 0), (10, 6, 0, 0, 0), (11, 7, 0, 0, 0),
+]
 ODD_MACHINES: dict[str, Machine | Callable[[], Topology]] = {
     "l3-across-nodes": Machine(1, 8, 2, nodes=2),
     "l3-across-nodes-2": Machine(2, 8, 2, nodes=8, l3_cores=4),
     "node-across-sockets": Machine(2, 3, 2, nodes=1),
     "isolated-cores": Machine(2, 4, 2, nodes=4, isolated=frozenset({4, 5, 12, 13, 6})),
     "hybrid": lambda: _manual(HYBRID, isolated=(14,)),
+    "hybrid-one-l3": lambda: _manual(HYBRID_ONE_L3),
     "split-core": lambda: _manual(SPLIT_CORE),
     "split-l3": lambda: _manual(SPLIT_L3, isolated=(9,)),
 }
@@ -207,15 +213,16 @@ def test_capacity_on_1024_cpus(machine, pools, steps, rng, whole: int, drawn) ->
     check(machine("e"), pools, steps, rng, (whole, *drawn[1:]))
 
 
-def test_distribute_evenly_can_split_whole_cores(odd_machine) -> None:
-    """8 nodes of two 2-thread cores: 6 CPUs go 3 + 3 into two nodes, so these full-pcpus
-    allocations do not take whole cores and fewer fit than whole cores would allow."""
+def test_distribute_evenly_keeps_full_pcpus_whole(odd_machine) -> None:
+    """8 nodes of two 2-thread cores: 6 CPUs split over two nodes in whole cores (4 + 2, not
+    3 + 3, which would split two cores)."""
     t = odd_machine("l3-across-nodes-2")
     ledger = ledger_for(t)
     even = bind("6", policy="full-pcpus", numa_strategy="distribute-evenly")
     _, a = placement.allocate(t, ledger, "x", even)
-    assert a.whole == CPUSet.parse("0-3,16,18")  # cores 1 and 3 split
-    assert placement.capacity(t, ledger, even) == simulate(t, ledger, even, 100) == 4
+    assert a.whole == CPUSet.parse("0-2,16-18")  # cores 0, 1 (node 0) and 2 (node 1)
+    assert all(t.cores[t.cpus[c].core] <= a.whole for c in a.whole)
+    assert placement.capacity(t, ledger, even) == simulate(t, ledger, even, 100) == 16 // 3
     packed = bind("6", policy="full-pcpus")
     assert placement.capacity(t, ledger, packed) == simulate(t, ledger, packed, 100) == 16 // 3
 

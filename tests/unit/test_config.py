@@ -45,3 +45,92 @@ def test_errors_name_the_key(tmp_path: Path, text: str, key: str) -> None:
     path.write_text(text + "\n")
     with pytest.raises(config.ConfigError, match=key.replace(".", r"\.")):
         config.load(path)
+
+
+def layered(tmp_path: Path) -> list[Path]:
+    """The four directories of config.DIRS under tmp_path, highest priority first."""
+    dirs = [tmp_path / d for d in ("etc", "run", "usr-local-lib", "usr-lib")]
+    for d in dirs:
+        (d / "cpuservice.toml.d").mkdir(parents=True)
+    return dirs
+
+
+def test_the_main_file_of_the_highest_directory_masks_the_others(tmp_path: Path) -> None:
+    etc, run, _, lib = layered(tmp_path)
+    (lib / "cpuservice.toml").write_text("granularity = 1000\nmin_shared_cpus = 2\n")
+    assert config.load(dirs=[etc, run, lib]).min_shared_cpus == 2
+    (run / "cpuservice.toml").write_text("min_shared_cpus = 3\n")
+    cfg = config.load(dirs=[etc, run, lib])
+    assert (cfg.min_shared_cpus, cfg.granularity) == (3, 100)  # /usr/lib's file is not read
+    (etc / "cpuservice.toml").write_text("")
+    assert config.load(dirs=[etc, run, lib]).min_shared_cpus == 1
+
+
+def test_dropins_sort_by_name_across_directories(tmp_path: Path) -> None:
+    etc, run, local, lib = layered(tmp_path)
+    (lib / "cpuservice.toml.d/10-vendor.toml").write_text(
+        'reserved_cpus = "0"\ngranularity = 1000\n')
+    (etc / "cpuservice.toml.d/20-local.conf").write_text('reserved_cpus = "0-1"\n')
+    (run / "cpuservice.toml.d/30-run.toml").write_text("min_shared_cpus = 4\n")
+    (local / "cpuservice.toml.d/05-early.toml").write_text("min_shared_cpus = 9\n")
+    (etc / "cpuservice.toml.d/README").write_text("not a drop-in")
+    cfg = config.load(dirs=[etc, run, local, lib])
+    assert cfg.reserved == CPUSet.parse("0-1") and cfg.granularity == 1000
+    assert cfg.min_shared_cpus == 4  # 30-run.toml sorts after 05-early.toml
+    assert [p.name for p in config.sources(dirs=[etc, run, local, lib])] == [
+        "05-early.toml", "10-vendor.toml", "20-local.conf", "30-run.toml"]
+
+
+def test_a_same_named_dropin_masks_the_lower_one(tmp_path: Path) -> None:
+    etc, run, _, lib = layered(tmp_path)
+    (lib / "cpuservice.toml.d/50-x.toml").write_text("min_shared_cpus = 5\n")
+    (run / "cpuservice.toml.d/50-x.toml").write_text("min_shared_cpus = 6\n")
+    assert config.load(dirs=[etc, run, lib]).min_shared_cpus == 6
+    (etc / "cpuservice.toml.d/50-x.toml").symlink_to("/dev/null")  # masked: nothing
+    assert config.load(dirs=[etc, run, lib]).min_shared_cpus == 1
+    assert config.sources(dirs=[etc, run, lib]) == [etc / "cpuservice.toml.d/50-x.toml"]
+
+
+def test_an_explicit_path_reads_just_it(tmp_path: Path) -> None:
+    etc, run, _, lib = layered(tmp_path)
+    (etc / "cpuservice.toml.d/50-x.toml").write_text("min_shared_cpus = 5\n")
+    own = tmp_path / "own.toml"
+    own.write_text("min_shared_cpus = 2\n")
+    assert config.load(own, dirs=[etc, run, lib]).min_shared_cpus == 2
+
+
+def test_a_dropin_error_names_the_dropin(tmp_path: Path) -> None:
+    etc, run, _, lib = layered(tmp_path)
+    (etc / "cpuservice.toml").write_text("min_shared_cpus = 2\n")
+    bad = lib / "cpuservice.toml.d/40-bad.toml"
+    bad.write_text("granularity = 7\n")
+    with pytest.raises(config.ConfigError, match=rf"^{bad}: granularity"):
+        config.load(dirs=[etc, run, lib])
+    bad.write_text("granularity = \n")
+    with pytest.raises(config.ConfigError, match=rf"^{bad}: "):
+        config.load(dirs=[etc, run, lib])
+
+
+@pytest.mark.parametrize("value", ["cpuservice.prom", "/var/lib/x/cpuservice.txt", 1])
+def test_metrics_file_must_be_a_prom_path(tmp_path: Path, value: object) -> None:
+    with pytest.raises(config.ConfigError, match="metrics_file"):
+        config.validate({"metrics_file": value})
+
+
+def test_metrics_file_can_be_turned_off() -> None:
+    assert config.validate({"metrics_file": ""}).metrics_file == ""
+    assert config.validate({}).metrics_file.endswith("/node-exporter/cpuservice.prom")
+
+
+def test_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cpuservice import daemon
+
+    path = tmp_path / "cpuservice.toml"
+    path.write_text("min_shared_cpus = 2\n")
+    assert daemon.main(["--config", str(path), "--check-config"]) == 0
+    assert str(path) in capsys.readouterr().out
+    (tmp_path / "cpuservice.toml.d").mkdir()
+    bad = tmp_path / "cpuservice.toml.d/10-bad.conf"
+    bad.write_text("colour = 1\n")
+    assert daemon.main(["--config", str(path), "--check-config"]) == daemon.EXIT_CONFIG == 78
+    assert f"{bad}: colour" in capsys.readouterr().err

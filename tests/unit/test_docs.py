@@ -1,28 +1,112 @@
-"""Man pages build from their scdoc sources; the bash completion parses."""
+"""Man pages build from their scdoc sources, explain every option value and every error name,
+and the package ships each of them; the bash completion parses and completes."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from cpuservice import request, run
+from cpuservice.ctl import choices, parser
 from tests.conftest import unavailable
 
 ROOT = Path(__file__).parents[2]
-PAGES = ["cpuservicectl.1", "cpuservice-run.1", "cpuserviced.8", "cpuservice.toml.5"]
+PAGES = ["cpuservicectl.1", "cpuservice-run.1", "cpuserviced.8", "cpuservice.toml.5",
+         "org.cpuservice1.5"]
+VOCABULARIES = ("Policy", "Exclusive", "NumaStrategy", "NumaAlignment", "Lifetime", "Partition")
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_man_page_builds(page: str) -> None:
+def page(name: str) -> str:
+    return (ROOT / f"docs/man/{name}.scd").read_text()
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_man_page_builds(name: str) -> None:
     if shutil.which("scdoc") is None:
         unavailable("scdoc is not installed (scripts/install-deps.sh unit)")
-    source = (ROOT / f"docs/man/{page}.scd").read_text()
-    out = subprocess.run(["scdoc"], input=source, capture_output=True, text=True, check=True)
-    name, section = page.rsplit(".", 1)
-    assert f'.TH "{name}" "{section}"' in out.stdout
+    out = subprocess.run(["scdoc"], input=page(name), capture_output=True, text=True,
+                         check=True)
+    title, section = name.rsplit(".", 1)
+    assert f'.TH "{title}" "{section}"' in out.stdout
+
+
+def test_the_package_ships_every_page() -> None:
+    shipped = (ROOT / "debian/cpuservice.manpages").read_text().split()
+    assert sorted(shipped) == sorted(f"debian/man/{p}" for p in PAGES)
+    assert sorted(p.name[:-4] for p in (ROOT / "docs/man").glob("*.scd")) == sorted(PAGES)
+    examples = (ROOT / "debian/cpuservice.examples").read_text().split()
+    assert all((ROOT / e).is_file() for e in examples) and examples
+    assert "README.md" in (ROOT / "debian/cpuservice.docs").read_text().split()
+
+
+def test_every_option_value_is_explained() -> None:
+    text = page("cpuservicectl.1")
+    for vocabulary in VOCABULARIES:
+        for value in choices(getattr(request, vocabulary)):
+            assert f"*{value}*" in text, (vocabulary, value)
+    for action in parser()._actions + [
+            a for sub in parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+            for a in sub._actions]:
+        for option in action.option_strings:
+            assert f"*{option}*" in text, option
+    for section in ("EXAMPLES", "EXIT STATUS", "ENVIRONMENT", "FILES", "AUTHORIZATION"):
+        assert f"\n# {section}\n" in text, section
+
+
+def test_cpuservice_run_documents_its_exit_codes_and_refusals() -> None:
+    text = page("cpuservice-run.1")
+    for code in (run.EXIT_WRAPPER, run.EXIT_CANNOT_RUN, run.EXIT_NOT_FOUND):
+        assert f"*{code}*" in text
+    for option in run.REFUSED:
+        assert f"*{option}*" in text, option
+    for section in ("EXAMPLES", "EXIT STATUS", "ENVIRONMENT"):
+        assert f"\n# {section}\n" in text, section
+
+
+def test_the_api_page_names_every_error() -> None:
+    names = set()
+    for source in (ROOT / "cpuservice").glob("*.py"):
+        names |= set(re.findall(r'dbus_name = "([\w.]+)"', source.read_text()))
+    names.add("org.cpuservice1.Error.Failed")
+    text = page("org.cpuservice1.5")
+    assert len(names) >= 10
+    for name in sorted(names):
+        assert f"*{name}*" in text, name
+    assert "# AMOUNTS AND CPU LISTS" in text and "not a double" in text
 
 
 def test_completion_is_valid_bash() -> None:
     subprocess.run(["bash", "-n", str(ROOT / "scripts/completion/cpuservicectl")], check=True)
+
+
+@pytest.mark.parametrize("line,want", [
+    ("cpuservicectl allocate x 2 --pol", "--policy"),
+    ("cpuservicectl allocate x 2 --policy ", "full-pcpus"),
+    ("cpuservicectl list --json ", "pretty"),
+    ("cpuservicectl show x -p CPUS", "CPUSet"),
+    ("cpuservicectl topology --", "--compact"),
+    ("cpuservice-run --cpus 2 --numa-alignment ", "single-numa-node"),
+    ("cpuservice-run --cpus 2 --sl", ""),  # refused options are not offered
+])
+def test_completion_completes(line: str, want: str) -> None:
+    words = line.split(" ")
+    # bash-completion's helpers, as far as these functions use them
+    script = f"""
+_init_completion() {{ cur=${{COMP_WORDS[COMP_CWORD]}}; prev=${{COMP_WORDS[COMP_CWORD-1]}};
+    words=("${{COMP_WORDS[@]}}"); cword=$COMP_CWORD; }}
+_command_offset() {{ COMPREPLY=(COMMAND); }}
+source {ROOT / "scripts/completion/cpuservicectl"}
+COMP_LINE={line!r}; COMP_POINT=${{#COMP_LINE}}
+COMP_WORDS=({" ".join(repr(w) for w in words)}); COMP_CWORD={len(words) - 1}
+{"_cpuservicectl" if words[0] == "cpuservicectl" else "_cpuservice_run"}
+printf '%s\\n' "${{COMPREPLY[@]}}"
+"""
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout.split()
+    if want:
+        assert want in out, out
+    else:
+        assert not [w for w in out if w.startswith("--sl")], out

@@ -5,15 +5,16 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
 from cpuservice.cpuset import CPUSet
 from cpuservice.errors import InsufficientCPUs, InvalidArgument
-from cpuservice.pools import check_index, check_invariants
+from cpuservice.pools import Ledger, check_index, check_invariants
 from cpuservice.repair import repair
 from cpuservice.request import Request
+from cpuservice.topology import Topology
 
 from .helpers import PLACEMENT_OPTIONS, ledger_for
 
@@ -31,9 +32,37 @@ OPS = st.lists(
 )
 
 
+def assert_degraded_only_when_it_cannot_fit(topology: Topology, ledger: Ledger) -> None:
+    """After repair: an allocation that is not degraded has its full size, and a degraded one
+    cannot be placed in full next to the others, neither around what it keeps nor afresh
+    (allocations made while more CPUs were online may not all fit any more)."""
+    for a in ledger.bound.values():
+        if not a.degraded:
+            assert len(a.whole) == a.request.whole, a
+            assert (a.fragment is None) == (a.request.fraction == 0), a
+            continue
+        base = ledger.without(a.name)
+        for keep, fragment in ((a.whole, a.fragment), (CPUSet(), None)):
+            try:
+                fits = placement.bound_cpus(topology, base, a.request, keep, fragment)
+            except (InsufficientCPUs, InvalidArgument):
+                continue
+            raise AssertionError(f"{a} is degraded but fits as {fits}")
+
+
 @pytest.mark.parametrize("name", ["a", "b", "c", "d", "lab"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, granularity=st.sampled_from([100, 1000]))
+@example(  # on d: the shared pool empties, 7.01 must move onto an isolated CPU, not degrade
+    ops=[("online", 187), ("allocate", Decimal("7.01"), {"bind": True})], granularity=100
+)
+@example(  # on d: a degraded full-pcpus allocation must not take its own fragment CPU whole
+    ops=[("allocate", Decimal("0.01"), {"bind": True}), ("offline", 508),
+         ("allocate", Decimal("3.01"), {"bind": True, "policy": "full-pcpus",
+                                        "numa-alignment": "none"}),
+         ("release", 0), ("allocate", Decimal("2.01"), {"bind": True}), ("offline", 0)],
+    granularity=100,
+)
 def test_random_sequences_keep_invariants(machine, name: str, ops, granularity: int) -> None:
     full = machine(name)
     topology = full
@@ -58,6 +87,7 @@ def test_random_sequences_keep_invariants(machine, name: str, ops, granularity: 
                 if online:
                     topology = full.with_online(online)
                     ledger, _ = repair(topology, ledger)
+                    assert_degraded_only_when_it_cannot_fit(topology, ledger)
         except (InsufficientCPUs, InvalidArgument):
             pass
         check_invariants(ledger)
@@ -67,7 +97,7 @@ def test_random_sequences_keep_invariants(machine, name: str, ops, granularity: 
     topology = full
     ledger, _ = repair(topology, ledger)
     check_invariants(ledger)
-    assert not any(a.degraded for a in ledger.allocations.values()) or len(ledger.online) < 4
+    assert_degraded_only_when_it_cannot_fit(topology, ledger)
     for n in sorted(ledger.allocations):
         ledger = placement.release(ledger, n)
     assert ledger.shared == initial.shared and ledger.free_isolated == initial.free_isolated

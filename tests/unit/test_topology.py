@@ -91,3 +91,32 @@ def test_json_and_1024(machine) -> None:
 def test_real_sysfs_of_this_machine() -> None:
     t = discover("/sys")
     assert len(t.online) >= 1 and t.online <= t.all
+
+
+def test_named_queries(machine) -> None:
+    t = machine("b")
+    assert (t.core_of(3), t.node_of(3), t.l3_of(3), t.socket_of(3)) == (
+        t.cpus[3].core, 0, t.cpus[3].l3, 0)
+    assert t.siblings(3) == CPUSet([3, 11]) and t.node_of(12) == 1
+    assert t.whole_cores(CPUSet.parse("0-3,8-9")) == CPUSet.parse("0-1,8-9")
+    assert t.count_whole_cores(CPUSet.parse("0-3,8-9")) == 2
+
+
+def test_whole_cores_count_offline_threads(machine) -> None:
+    t = machine("b").with_online(CPUSet.parse("0-10,12-15"))
+    assert t.whole_cores(CPUSet([3])) == CPUSet() and t.core_size[t.core_of(3)] == 2
+
+
+def test_with_online_keeps_what_is_known_of_memory(machine) -> None:
+    t = machine("no-node")
+    other = t.with_online(t.online - CPUSet([5]))
+    assert other.notes == t.notes and other.pseudo_nodes == t.pseudo_nodes
+    assert other.memory_of == t.memory_of and not other.cpus[5].online
+
+
+def test_document_shape(machine) -> None:
+    doc = machine("memoryless").document()
+    assert set(doc) == {"cpus", "notes", "memory_nodes", "memory_only_nodes", "pseudo_nodes",
+                        "memory_of", "node_memory_kb", "warnings"}
+    assert doc["memory_nodes"] == "0" and doc["memory_of"] == {"1": "0"}
+    assert json.loads(json.dumps(doc)) == doc

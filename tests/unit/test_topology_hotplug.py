@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice.cpuset import CPUSet
@@ -133,3 +133,32 @@ def test_a_file_the_kernel_refuses_to_read_is_a_cpu_in_transition(tmp_path: Path
     assert t.cpus[5].node == real.cpus[5].node
     monkeypatch.setattr(Path, "read_text", original)
     assert refresh(root, t) == real
+
+
+@settings(max_examples=15, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(shape=st.sampled_from(["no-node", "s390", "hybrid", "memory-only", "bulldozer"]),
+       steps=st.lists(st.frozensets(st.integers(1, 15), max_size=3), min_size=1, max_size=4))
+@example(shape="no-node", steps=[frozenset({4})])  # an offline CPU of a pseudo node keeps it
+@example(shape="s390", steps=[frozenset({1, 2, 3}), frozenset({4, 5, 6})])
+def test_refresh_on_real_machine_shapes_matches_discover(
+    tmp_path_factory, shape: str, steps: list[frozenset[int]]
+) -> None:
+    """Hotplug on the shapes of cpuservice.fixtures.SHAPES: refresh() agrees with a full
+    discover() given the same previous reading, and ends where a fresh discovery is."""
+    import dataclasses
+
+    from cpuservice.fixtures import SHAPES
+
+    root = tmp_path_factory.mktemp("shape")
+    machine = SHAPES[shape]
+    t = discover(write_sysfs(root, machine))
+    memory = machine.topology().node_set(machine.topology().all)
+    for offline in steps:
+        write_sysfs(root, dataclasses.replace(machine, offline=offline & t.all.ids))
+        fast = refresh(root, t)
+        assert fast == discover(root, previous=t)
+        assert fast.online == fast.all - CPUSet(offline) and fast.node_set(fast.all) <= memory
+        t = fast
+    write_sysfs(root, machine)
+    assert refresh(root, t) == machine.topology()

@@ -1,7 +1,10 @@
 """VM lab scenario: real CPU offline/online under cpuserviced, with a real process in a bound
 allocation's slice. Prints one JSON object per check on lines starting with ``RESULT ``.
 
-    python3 hotplug.py repair | storm | bench ROUNDS
+    python3 hotplug.py repair | storm | bench ROUNDS  [--partition root|isolated]
+
+With ``--partition``, the bound allocations of whole CPUs are kernel cpuset partitions (the sid
+lab, systemd >= 261); the checks are the same.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from dbus_fast.aio import MessageBus
 
 CPU = Path("/sys/devices/system/cpu")
 DEST, PATH, IFACE = "org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager"
+ALLOCATION = "org.cpuservice1.Allocation"
+PARTITION: str | None = None  # --partition
+
+
+def options(cpus: str) -> dict[str, Variant]:
+    """Bound, and a partition when asked for and the amount is whole."""
+    opts = {"bind": Variant("b", True)}
+    if PARTITION and "." not in cpus:
+        opts["partition"] = Variant("s", PARTITION)
+    return opts
 
 
 def result(**values: object) -> None:
@@ -85,9 +98,10 @@ async def wait_for(check, seconds: float = 20.0) -> float:  # type: ignore[no-un
 
 
 async def repair(c: Client) -> None:
-    await c.call("Allocate", "ssa{sv}", ["h", "2", {"bind": Variant("b", True)}])
+    await c.call("Allocate", "ssa{sv}", ["h", "2", options("2")])
     held = parse((await c.allocations())["h"][3])
-    subprocess.run(["systemd-run", "--slice=cpuservice-bound-h.slice", "--unit=hworker",
+    unit = str(await c.prop("Unit", (await c.allocations())["h"][4], ALLOCATION))
+    subprocess.run(["systemd-run", f"--slice={unit}", "--unit=hworker",
                     "sleep", "1000"], check=True)
     pid = int(subprocess.run(["systemctl", "show", "hworker", "-p", "MainPID", "--value"],
                              capture_output=True, text=True, check=True).stdout)
@@ -103,7 +117,7 @@ async def repair(c: Client) -> None:
     now = parse((await c.allocations())["h"][3])
     await asyncio.sleep(0.2)
     result(check="offline", victim=victim, online=online_cpus(), held=sorted(now),
-           unit=sorted(unit_cpus("cpuservice-bound-h.slice")), process=sorted(allowed(pid)),
+           unit=sorted(unit_cpus(unit)), process=sorted(allowed(pid)),
            shared=sorted(unit_cpus("cpuservice-shared.slice")), seconds=took)
     set_online(victim, True)
 
@@ -123,14 +137,17 @@ async def storm(c: Client) -> None:
     rng = random.Random(7)
     stop = asyncio.Event()
     errors: list[str] = []
+    partitioned = 0  # allocations made as partitions during the storm
 
     async def churn() -> None:
+        nonlocal partitioned
         i = 0
         while not stop.is_set():
             name = f"s{i}"
             try:
-                await c.call("Allocate", "ssa{sv}",
-                             [name, rng.choice(["1", "2", "0.5"]), {"bind": Variant("b", True)}])
+                cpus = rng.choice(["1", "2", "0.5"])
+                await c.call("Allocate", "ssa{sv}", [name, cpus, options(cpus)])
+                partitioned += "partition" in options(cpus)
                 if rng.random() < 0.6:
                     await c.call("Release", "s", [name])
             except RuntimeError as exc:
@@ -153,11 +170,18 @@ async def storm(c: Client) -> None:
     rows = await c.allocations()
     states, units_agree = {}, True
     exclusive: list[int] = []
+    invalid: dict[str, str] = {}  # partitions the kernel does not report as asked
     for name, row in rows.items():
-        states[name] = await c.prop("State", row[4], "org.cpuservice1.Allocation")
+        states[name] = await c.prop("State", row[4], ALLOCATION)
         if row[2]:
-            units_agree &= unit_cpus(f"cpuservice-bound-{name}.slice") == parse(row[3])
-            shares = await c.prop("Shares", row[4], "org.cpuservice1.Allocation")
+            unit = str(await c.prop("Unit", row[4], ALLOCATION))
+            units_agree &= unit_cpus(unit) == parse(row[3])
+            wanted = str(await c.prop("Partition", row[4], ALLOCATION))
+            if wanted != "none":
+                kernel = Path(f"/sys/fs/cgroup/{unit}/cpuset.cpus.partition").read_text().strip()
+                if kernel != wanted:
+                    invalid[name] = kernel
+            shares = await c.prop("Shares", row[4], ALLOCATION)
             exclusive += [cpu for cpu, pieces in shares.items() if pieces == 100]
     restarts = subprocess.run(["systemctl", "show", "cpuservice", "-p", "NRestarts", "--value"],
                               capture_output=True, text=True).stdout.strip()
@@ -166,6 +190,8 @@ async def storm(c: Client) -> None:
     result(check="storm", online=online_cpus(), allocations=len(rows),
            degraded=[n for n, s in states.items() if s != "active"], units_agree=units_agree,
            double_booked=len(exclusive) != len(set(exclusive)), errors=errors[:5],
+           partitions=partitioned,
+           invalid_partitions=invalid,
            restarts=restarts, active=active)
     if errors:
         raise SystemExit(f"FAILED STEP: {len(errors)} requests failed during the storm")
@@ -214,6 +240,10 @@ async def bench(c: Client, rounds: int) -> None:
 
 
 async def main(argv: list[str]) -> None:
+    global PARTITION
+    if "--partition" in argv:
+        at = argv.index("--partition")
+        PARTITION, argv = argv[at + 1], argv[:at] + argv[at + 2:]
     bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
     c = Client(bus)
     if argv[0] == "repair":
