@@ -141,7 +141,11 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Allocate(self, name: "s", cpus: "s", options: "a{sv}") -> "o":
-        admin = "cpuset" in options or "unit" in options
+        # a kernel partition keeps every other process of the host off its CPUs: the host's
+        # administrator's call, like explicit CPUs and foreign units
+        partition = options.get("partition")
+        admin = "cpuset" in options or "unit" in options or (
+            partition is not None and getattr(partition, "value", None) != "none")
         owner = await self.authorize(MANAGE if admin else ALLOCATE)
         opts = plain_options(options)
         try:

@@ -20,7 +20,7 @@ from .errors import CPUServiceError, SystemdFailure
 from .irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from .pools import Ledger, check_invariants
 from .reconcile import Props, UnitSpec
-from .targets import Targets, partition_of
+from .targets import Targets, partition_mode, partition_of
 from .topology import Topology
 
 log = logging.getLogger(__name__)
@@ -215,8 +215,13 @@ class Engine:
         that could not be undone): the same transaction, from what systemd reports."""
         after = self.specs(state, state.ledger.allocations)
         before = await self.observe(after)
+        # what bound slices hold now is protected too; a slice on the shared pool (a bound
+        # allocation that lost every CPU) holds nothing of its own
+        on_pool = {state.records[n].unit for n, a in state.ledger.allocations.items()
+                   if a.bound and not a.held and n in state.records}
         held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
-                                if (own := units.name_of_slice(unit)) and own[1])
+                                if (own := units.name_of_slice(unit)) and own[1]
+                                and unit not in on_pool)
         await reconcile.execute(reconcile.plan(before, after, state.ledger.exclusive | held),
                                 self.effector)
 
@@ -265,6 +270,7 @@ class Engine:
         kernel, why = self.detect_kernel()
         self.capabilities = partitions.Capabilities(version, partitions.PROPERTY in root,
                                                     kernel, why)
+        self.targets.set_partitions(self.capabilities.systemd_property)
         if self.capabilities.partitions:
             log.info("cpuset partitions available (systemd %s)", version)
         else:
@@ -284,7 +290,8 @@ class Engine:
                     self.events.allocation_changed(name, reason, diff)
         allocations = self.state.ledger.allocations
         return sorted(n for n, report in self.partition_states.items() if n in allocations
-                      and partitions.degraded(partition_of(allocations[n]), report))
+                      and partitions.degraded(partition_mode(allocations[n], self.ledger),
+                                              report))
 
     async def observe_partitions(self, names: Iterable[str] | None = None) -> set[str]:
         """Read what the kernel made of the named allocations' partitions (None: all of them);
@@ -304,10 +311,10 @@ class Engine:
                 group = (await self.systemd.get(unit, cgroup_iface(unit), ["ControlGroup"])
                          ).get("ControlGroup", "")
                 report = (self.read_partition(str(group)) if group else None) or report
-            except CPUServiceError as exc:
+            except Exception as exc:  # an observation never fails the change it follows
                 log.warning("cannot read the partition of %s: %s", unit, exc)
             if name not in self.partition_states or self.partition_states[name] != report:
-                why = partitions.degraded(partition_of(a), report)
+                why = partitions.degraded(partition_mode(a, self.ledger), report)
                 if why:
                     log.warning("allocation %s: %s (%s)", name, why, unit)
                 self.partition_states[name] = report
@@ -333,7 +340,8 @@ class Engine:
             elif before[name] is not after[name] or name in reasons or (
                 new.records.get(name) is not old.records.get(name)
             ):
-                was_partition = (old_partitions or self.partition_states).get(name)
+                was_partition = (self.partition_states if old_partitions is None
+                                 else old_partitions).get(name)
                 diff = views.changed(views.allocation(old_topology, old, name, was_partition),
                                      views.allocation(self.topology, new, name,
                                                       self.partition_report(name)))

@@ -28,7 +28,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Protocol
 
-from . import views
+from . import partitions, views
 from .checkpoint import State
 from .topology import Topology
 
@@ -122,9 +122,10 @@ class Event:
 
 
 def event(kind: Kind, topology: Topology, state: State, name: str, reason: str = "",
-          **extra: str) -> Event:
-    """The event for allocation ``name`` as ``state`` holds it (pure)."""
-    values = views.allocation(topology, state, name)
+          partition: partitions.State | None = None, **extra: str) -> Event:
+    """The event for allocation ``name`` as ``state`` holds it (pure; ``partition``: what the
+    kernel reports of its partition, when it has one)."""
+    values = views.allocation(topology, state, name, partition)
     return Event(kind, name, values["Owner"], values["CPUSet"], values["CPUs"], values["Bound"],
                  values["Unit"], values["State"], reason,
                  tuple((key.upper(), value) for key, value in extra.items()))

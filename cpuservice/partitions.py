@@ -97,6 +97,17 @@ def check(mode: str, explicit: bool, bind: bool, whole: bool, unit: str | None,
     return mode
 
 
+def mode(wanted: str, cpus: frozenset[int] | set[int], boot_isolated: frozenset[int] | set[int]
+         ) -> str:
+    """The partition a slice is made: what was asked, except that ``root`` on CPUs the kernel
+    isolated at boot (isolcpus=) is ``isolated``: Linux refuses a load-balanced partition there
+    ("partition config conflicts with housekeeping setup"), and those CPUs are not load-balanced
+    anyway."""
+    if wanted == Partition.ROOT and set(cpus) & set(boot_isolated):
+        return str(Partition.ISOLATED)
+    return str(wanted)
+
+
 @dataclass(frozen=True)
 class State:
     """What the kernel reports for one partition slice."""

@@ -6,13 +6,17 @@ Every path that changes systemd goes through here: requests, their rollbacks, st
 Revalidate and hotplug repair. The ordering rule, stated once:
 
     At no instant may a CPU that is exclusive (a whole CPU of a bound allocation, before or
-    after the change) be in the AllowedCPUs of two units. So, in this order:
+    after the change) be in the AllowedCPUs of two units, and no cpuset partition may cover
+    CPUs it is not meant to have. So, in this order:
+      0. a slice that stops being a partition (CPUSetPartition -> member) does so first, alone,
+         before any AllowedCPUs moves;
       1. every unit that loses CPUs shrinks to the CPUs it keeps: the shared pool's holders
          (the shared slice, confined host units, foreign units that follow the pool) as much
          as bound units;
       2. units that are no longer ours are stopped (our slices) or restored (foreign units);
       3. units that gain CPUs get them, and every other property that changed; new units
-         start. A unit that moves to CPUs another unit still holds waits for that unit.
+         start. A unit that moves to CPUs another unit still holds waits for that unit. A
+         slice that becomes a partition gets its AllowedCPUs first and its partition after.
     An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
     a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
     Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -33,6 +37,8 @@ log = logging.getLogger(__name__)
 # name -> (D-Bus signature, value), as systemd's SetUnitProperties takes them
 Props = Mapping[str, tuple[str, Any]]
 CPUS = "AllowedCPUs"
+PARTITION = "CPUSetPartition"
+NOT_PARTITION = ("", "member")
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,15 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     ops: list[Op] = []
     holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
 
+    # 0. partitions that end, alone, before any CPU moves
+    ending: dict[str, UnitSpec] = {}
+    for unit in sorted(before.keys() & after.keys()):
+        had, gets = before[unit].props.get(PARTITION), after[unit].props.get(PARTITION)
+        if had and gets and had[1] not in NOT_PARTITION and gets[1] in NOT_PARTITION:
+            ops.append(Op(Kind.SET, unit, {PARTITION: gets}, {PARTITION: had}))
+            ending[unit] = replace(before[unit], props={**before[unit].props, PARTITION: gets})
+    before = {**before, **ending}
+
     # 1. shrink: every unit kept loses what it does not keep
     for unit in sorted(before.keys() & after.keys()):
         was, will = before[unit].cpus, after[unit].cpus
@@ -178,6 +193,12 @@ def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:
     diff = _differs(after.props, before.props)
     if not diff:
         return []
+    becomes = diff.get(PARTITION)
+    if becomes and becomes[1] not in NOT_PARTITION and len(diff) > 1:
+        rest = {k: v for k, v in diff.items() if k != PARTITION}
+        return [Op(Kind.SET, unit, rest, {k: before.props[k] for k in rest if k in before.props}),
+                Op(Kind.SET, unit, {PARTITION: becomes},
+                   {PARTITION: before.props.get(PARTITION, ("s", "member"))})]
     undo = {k: before.props[k] for k in diff if k in before.props}
     return [Op(Kind.SET, unit, diff, undo)]
 

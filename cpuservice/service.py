@@ -31,7 +31,7 @@ from .placement import Placement
 from .pools import Allocation, Ledger
 from .repair import repair
 from .request import Request, parse_amount, validate_name
-from .targets import own_slice, partition_of, partition_of_request
+from .targets import own_slice, partition_mode, partition_of, partition_of_request
 from .topology import Topology, discover, refresh
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,7 @@ class Service:
         self._serials: dict[str, int] = {}
         self._next_serial = itertools.count(1)
         self._partition_watch: asyncio.Task[None] | None = None
+        self._reset: dict[str, partitions.State | None] = {}  # partitions set again, and why
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -82,7 +83,8 @@ class Service:
         caller = journal.CALLER.get()
         if caller is not None:
             extra["caller_uid"] = str(caller)
-        self.engine.audit.send(journal.event(kind, self.topology, state, name, reason, **extra))
+        self.engine.audit.send(journal.event(kind, self.topology, state, name, reason,
+                                             self.engine.partition_report(name), **extra))
 
     def allocation(self, name: str) -> Allocation:
         try:
@@ -152,8 +154,10 @@ class Service:
         await recovery.start(self.engine)
         await self.lifetime.watch_all()
         self.lifetime.schedule()
-        await self.heal_partitions()
-        if self.engine.capabilities.partitions and self._partition_watch is None:
+        await self._heal_quietly()
+        partitioned = any(partition_of(a) != partitions.NONE
+                          for a in self.ledger.allocations.values())
+        if (self.engine.capabilities.partitions or partitioned) and self._partition_watch is None:
             self._partition_watch = asyncio.create_task(self._watch_partitions())
 
     async def _watch_partitions(self) -> None:
@@ -161,10 +165,15 @@ class Service:
         the same CPUs, every CPU of it offline): look again every PARTITION_CHECK_SECONDS."""
         while True:
             await asyncio.sleep(PARTITION_CHECK_SECONDS)
-            try:
-                await self.heal_partitions()
-            except Exception:  # the watch must outlive one failed look
-                log.exception("checking partitions failed")
+            await self._heal_quietly()
+
+    async def _heal_quietly(self) -> None:
+        """heal_partitions(), whose failure is logged, never raised: neither startup nor the
+        watch stops on one failed look."""
+        try:
+            await self.heal_partitions()
+        except Exception:
+            log.exception("checking partitions failed")
 
     async def heal_partitions(self) -> None:
         """Announce partitions the kernel reports invalid (degraded), and set each such slice's
@@ -174,15 +183,30 @@ class Service:
                    for a in self.ledger.allocations.values()):
             return
         async with self.lock:
+            wrote = False
             for name in await self.engine.check_partitions():
                 a, unit = self.allocation(name), self.record(name).unit
-                if not a.held:
+                report = self.engine.partition_report(name)
+                # once per report: a partition that stays invalid for the same reason is not
+                # set again every few seconds (each set rebuilds the scheduler's domains)
+                if not a.held or self._reset.get(name) == report:
                     continue
-                for mode in (partitions.MEMBER, partition_of(a)):
+                self._reset[name] = report
+                wanted = partition_mode(a, self.ledger)
+                try:
                     await self.engine.effector.set_properties(
-                        unit, {partitions.PROPERTY: ("s", str(mode))}, missing_ok=True)
+                        unit, {partitions.PROPERTY: ("s", partitions.MEMBER)}, missing_ok=True)
+                finally:  # whatever happened, the slice is to be what it asked for
+                    await self.engine.effector.set_properties(
+                        unit, {partitions.PROPERTY: ("s", str(wanted))}, missing_ok=True)
+                wrote = True
                 log.info("allocation %s: set the partition of %s again", name, unit)
-            await self.engine.check_partitions("partition repaired")
+            for name in [n for n in self._reset if n not in self.ledger.allocations
+                         or not partitions.degraded(partition_mode(self.allocation(n), self.ledger),
+                                                    self.engine.partition_report(n))]:
+                del self._reset[name]
+            if wrote:
+                await self.engine.check_partitions("partition repaired")
 
     async def allocate(
         self, name: str, cpus: str, options: Mapping[str, Any], owner: int,

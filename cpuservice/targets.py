@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from . import partitions, placement, units
 from .checkpoint import Record, State
 from .cpuset import CPUSet
-from .pools import Allocation
+from .pools import Allocation, Ledger
 from .reconcile import UnitSpec
 from .request import Request
 from .topology import Topology
@@ -29,6 +29,11 @@ def partition_of(a: Allocation) -> str:
     return partition_of_request(a.request)
 
 
+def partition_mode(a: Allocation, ledger: Ledger) -> str:
+    """The partition the allocation's slice is made, on the CPUs it holds (partitions.mode)."""
+    return partitions.mode(partition_of(a), set(a.held.ids), set(ledger.isolated.ids))
+
+
 def follows_shared(a: Allocation, own: bool) -> bool:
     """Whether an allocation's unit properties change with the shared pool."""
     if a.bound:
@@ -42,6 +47,14 @@ class Targets:
                              *kernel_holders)
         self._cache: dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]] = {}
         self._followers: set[str] = set()  # allocations whose unit follows the shared pool
+        # systemd knows CPUSetPartition (>= 261): otherwise a partition recorded earlier (a
+        # checkpoint from before a downgrade) is a plain slice: systemd would refuse the property
+        self.partitions = True
+
+    def set_partitions(self, known: bool) -> None:
+        if known != self.partitions:
+            self.partitions = known
+            self._cache.clear()
 
     def specs(self, topology: Topology, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
         """The shared pool's holders and the named allocations' units."""
@@ -64,7 +77,8 @@ class Targets:
             return hit[3]
         p = placement.describe(topology, state.ledger, a)
         props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own,
-                                       partition_of(a) if own else partitions.NONE,
+                                       partition_mode(a, state.ledger)
+                                       if own and self.partitions else partitions.NONE,
                                        bool(a.held))
         if own:
             props["Description"] = ("s", units.describe(name, units.description_fields(a, record)))

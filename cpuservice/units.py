@@ -153,6 +153,8 @@ def observed_props(values: Mapping[str, Any]) -> Props:
         if sig == "ay":
             if CPUSet.from_mask(bytes(value)):
                 out[name] = (sig, CPUSet.from_mask(bytes(value)).to_mask())
+        elif name == partitions.PROPERTY and not value:
+            continue  # not set (systemd >= 261 reports "" for every slice): not a partition
         elif sig is not None:
             out[name] = (sig, value)
     return out
@@ -202,7 +204,11 @@ def from_description(fields: Mapping[str, str], unit: str) -> tuple[Allocation, 
         cpu, pieces = fields["fragment"].split(":")
         fragment = Fragment(int(cpu), int(pieces))
     whole = CPUSet.parse("" if fields["whole"] == "-" else fields["whole"])
-    return Allocation(name, request, whole, fragment), Record(int(fields["owner"]), unit)
+    # short of what it asked for: degraded, so that repair tries to make it whole again
+    degraded = request.options.bind and (
+        len(whole) < request.whole or (fragment is None) != (request.fraction == 0))
+    return (Allocation(name, request, whole, fragment, degraded),
+            Record(int(fields["owner"]), unit))
 
 
 def parse_description(text: str) -> dict[str, str] | None:

@@ -34,13 +34,14 @@ def allocation(topology: Topology, state: State, name: str,
     record = state.records.get(name, Record())
     p = placement.describe(topology, state.ledger, a)
     wanted = str(getattr(a.request.options, "partition", partitions.NONE))
+    made = partitions.mode(wanted, set(a.held.ids), set(state.ledger.isolated.ids))
     return {
         "Name": name, "CPUs": str(a.request.cpus), "Bound": a.bound,
         "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
         "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
         "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
         "Unit": record.unit, "Owner": record.owner,
-        "State": "degraded" if a.degraded or partitions.degraded(wanted, partition)
+        "State": "degraded" if a.degraded or partitions.degraded(made, partition)
         else "active",
         "Lifetime": a.request.options.lifetime,
         **partitions.views(wanted, partition),

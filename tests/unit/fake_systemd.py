@@ -72,6 +72,10 @@ class FakeSystemd:
         self.fail = fail
 
     def _mutating(self, member: str, unit: str, props: Mapping[str, Any]) -> None:
+        if "CPUSetPartition" in props and not self.partitions:  # systemd < 261
+            raise SystemdFailure(f"systemd refused {member}: org.freedesktop.DBus.Error."
+                                 "PropertyReadOnly: Cannot set property CPUSetPartition, or "
+                                 "unknown property.")
         self.calls += 1
         self.fail(self.calls, member, unit)
         self.writes.append(Write(member, unit, {k: v for k, (_, v) in props.items()}))

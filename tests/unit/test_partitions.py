@@ -244,3 +244,64 @@ def test_a_partition_cannot_be_resized_to_a_fraction(tmp_path: Path) -> None:
             await svc.resize("web", "1.5")
         assert svc.ledger is before
     run(body)
+
+
+def test_a_partition_ends_before_any_cpu_moves_and_starts_after_its_cpus() -> None:
+    from cpuservice.reconcile import Kind, UnitSpec, plan
+
+    cpus = ("ay", CPUSet([2, 3]).to_mask())
+    pool = ("ay", CPUSet([0, 1, 4, 5]).to_mask())
+    part = "cpuservice_partition_web.slice"
+    before = {part: UnitSpec({"AllowedCPUs": cpus, "CPUSetPartition": ("s", "isolated")}),
+              "cpuservice-shared.slice": UnitSpec({"AllowedCPUs": pool}, own=False)}
+    after = {part: UnitSpec({"AllowedCPUs": pool, "CPUSetPartition": ("s", "member")}),
+             "cpuservice-shared.slice": UnitSpec({"AllowedCPUs": pool}, own=False)}
+    ops = plan(before, after, CPUSet([2, 3])).ops
+    assert ops[0].unit == part and dict(ops[0].props) == {"CPUSetPartition": ("s", "member")}
+    assert all("CPUSetPartition" not in op.props for op in ops[1:])
+    # and back: the CPUs first, the partition after
+    again = plan(after, before, CPUSet([2, 3])).ops
+    mine = [op for op in again if op.unit == part]
+    assert [op.kind for op in mine] == [Kind.SET, Kind.SET]
+    assert "AllowedCPUs" in mine[0].props and "CPUSetPartition" not in mine[0].props
+    assert dict(mine[1].props) == {"CPUSetPartition": ("s", "isolated")}
+
+
+def test_root_on_boot_isolated_cpus_is_made_isolated() -> None:
+    assert partitions.mode("root", {3}, {3, 4}) == "isolated"
+    assert partitions.mode("root", {1}, {3, 4}) == "root"
+    assert partitions.mode("isolated", {1}, set()) == "isolated"
+    assert partitions.mode("none", {3}, {3}) == "none"
+
+
+def test_after_a_systemd_downgrade_a_partition_is_a_plain_slice(tmp_path: Path) -> None:
+    async def body() -> None:
+        fake = FakeSystemd()
+        fake.partitions = True
+        svc = service(tmp_path, fake)
+        await svc.start()
+        await svc.allocate("web", "2", ISOLATED, 0)
+        held = svc.allocation("web").whole
+        fake.partitions = False  # systemd 252 again: it refuses the property
+        del fake.units["cpuservice_partition_web.slice"].props["CPUSetPartition"]
+        again = service(tmp_path, fake, kernel=False)
+        await again.start()  # no restart loop
+        assert again.allocation("web").whole == held
+        assert CPUSet.from_mask(bytes(fake.units["cpuservice_partition_web.slice"].props[
+            "AllowedCPUs"])) == held
+        await again.resize("web", "3")
+        await again.release("web")
+        assert "cpuservice_partition_web.slice" not in fake.units
+    run(body)
+
+
+def test_a_description_short_of_its_cpus_is_degraded() -> None:
+    fields = {"name": "web", "cpus": "2", "bind": "true", "memory-nodes": "false",
+              "owner": "0", "whole": "3", "partition": "isolated"}
+    a, _ = units.from_description(fields, "cpuservice_partition_web.slice")
+    assert a.degraded and str(a.request.options.partition) == "isolated"
+    whole, _ = units.from_description({**fields, "whole": "3-4"}, "x")
+    assert not whole.degraded
+    unbound, _ = units.from_description({**fields, "bind": "false", "whole": "-",
+                                         "partition": "none"}, "x")
+    assert not unbound.degraded

@@ -76,6 +76,8 @@ async def isolated(c: Client) -> None:
            root_isolated=sorted(parse(cgroup_file("cpuset.cpus.isolated"))),
            system_effective=sorted(parse(cgroup_file("system.slice/cpuset.cpus.effective"))),
            shared=sorted(parse(str(await c.prop("SharedCPUs")))),
+           sys_isolated=Path("/sys/devices/system/cpu/isolated").read_text().strip(),
+           isolated_cpus=str(await c.prop("IsolatedCPUs")),
            outsider=sorted(allowed(outsider)), taskset_status=pinned.returncode,
            taskset_error=pinned.stderr.strip()[-200:],
            insider=sorted(allowed(insider)))
@@ -89,7 +91,10 @@ async def isolated(c: Client) -> None:
            insider=sorted(allowed(insider)))
     sh("systemctl", "stop", "insider")
     await c.call("Release", "s", ["iso"])
+    await asyncio.sleep(0.5)
     result(check="released", unit_active=sh("systemctl", "is-active", unit).stdout.strip(),
+           shared=sorted(parse(str(await c.prop("SharedCPUs")))),
+           isolated_cpus=str(await c.prop("IsolatedCPUs")),
            root_isolated=cgroup_file("cpuset.cpus.isolated"),
            system_effective=sorted(parse(cgroup_file("system.slice/cpuset.cpus.effective"))),
            online=cgroup_file("cpuset.cpus.effective"))
