@@ -231,7 +231,10 @@ SMALL = Shape(sockets=1, cores=2, threads=2, nodes=1, memory_mb=1024, append="is
 SMALL_SCENARIOS: dict[str, Scenario] = {"topology": Scenario(TOPOLOGY, 60)}
 
 # Debian sid (systemd >= 261, Linux 7.x; lab.SID), the default shape, one boot: the kernel cpuset
-# partitions, then the hotplug repair and storm of the Debian 12 boot without and with them.
+# partitions, then the hotplug repair of the Debian 12 boot without and with them, and its storm
+# without. The storm with partitions (`hotplug.py storm --partition root|isolated`) panics Linux
+# 7.2.13 in this VM now and then (select_fallback_rq, need_active_balance, update_se: the
+# scheduler), so it is not part of the run: a kernel bug would fail every run it hits.
 MODERN: dict[str, Scenario] = {
     "versions": Scenario("uname -r; systemctl --version | head -1; "
                          "cat /sys/fs/cgroup/cgroup.controllers; python3 -c 'import sys; "
@@ -244,5 +247,4 @@ MODERN: dict[str, Scenario] = {
     "repair": Scenario(f"{HOTPLUG} repair", 150, ("install",)),
     "repair-partitioned": Scenario(f"{HOTPLUG} repair --partition isolated", 150, ("install",)),
     "storm": Scenario(f"{HOTPLUG} storm", 300, ("install",)),
-    "storm-partitioned": Scenario(f"{HOTPLUG} storm --partition root", 300, ("install",)),
 }
