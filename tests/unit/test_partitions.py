@@ -120,13 +120,23 @@ def run(body: Any) -> None:
     asyncio.run(body())
 
 
+def systemd_262() -> FakeSystemd:
+    fake = FakeSystemd()
+    fake.partitions = True
+    return fake
+
+
+async def started(tmp: Path, fake: FakeSystemd, **settings: Any) -> Service:
+    svc = service(tmp, fake, **settings)
+    await svc.start()
+    return svc
+
+
 def test_a_partitioned_allocation_gets_a_top_level_slice_with_its_partition(
         tmp_path: Path) -> None:
     async def body() -> None:
-        fake = FakeSystemd()
-        fake.partitions = True
-        svc = service(tmp_path, fake)
-        await svc.start()
+        fake = systemd_262()
+        svc = await started(tmp_path, fake)
         assert svc.engine.capabilities.partitions
         a = await svc.allocate("web", "2", ISOLATED, 0)
         unit = "cpuservice_partition_web.slice"
@@ -149,8 +159,7 @@ def test_a_partitioned_allocation_gets_a_top_level_slice_with_its_partition(
 
 def test_an_invalid_partition_is_degraded_and_set_again(tmp_path: Path) -> None:
     async def body() -> None:
-        fake = FakeSystemd()
-        fake.partitions = True
+        fake = systemd_262()
         svc = service(tmp_path, fake)
         seen: list[tuple[str, str, dict[str, Any]]] = []
 
@@ -184,8 +193,7 @@ def test_an_invalid_partition_is_degraded_and_set_again(tmp_path: Path) -> None:
 def test_without_systemd_support_an_explicit_partition_changes_nothing(tmp_path: Path) -> None:
     async def body() -> None:
         fake = FakeSystemd()  # systemd 252: no CPUSetPartition
-        svc = service(tmp_path, fake)
-        await svc.start()
+        svc = await started(tmp_path, fake)
         before = dict(fake.units)
         with pytest.raises(NotSupported, match="systemd 252"):
             await svc.allocate("web", "2", ISOLATED, 0)
@@ -197,10 +205,8 @@ def test_without_systemd_support_an_explicit_partition_changes_nothing(tmp_path:
 
 def test_a_default_partition_from_the_config(tmp_path: Path) -> None:
     async def body() -> None:
-        fake = FakeSystemd()
-        fake.partitions = True
-        svc = service(tmp_path, fake, defaults={"partition": "root"})
-        await svc.start()
+        fake = systemd_262()
+        svc = await started(tmp_path, fake, defaults={"partition": "root"})
         await svc.allocate("whole", "2", {"bind": True}, 0)
         await svc.allocate("frac", "1.5", {"bind": True}, 0)
         await svc.allocate("shared", "1", {}, 0)
@@ -215,10 +221,8 @@ def test_a_default_partition_from_the_config(tmp_path: Path) -> None:
 def test_a_partition_is_rebuilt_from_its_unit_when_the_checkpoint_is_lost(
         tmp_path: Path) -> None:
     async def body() -> None:
-        fake = FakeSystemd()
-        fake.partitions = True
-        svc = service(tmp_path, fake)
-        await svc.start()
+        fake = systemd_262()
+        svc = await started(tmp_path, fake)
         await svc.allocate("web", "2", ISOLATED, 1000)
         before = svc.ledger.allocations
         Path(svc.config.state_file).write_text("garbage\n")
@@ -234,10 +238,8 @@ def test_a_partition_is_rebuilt_from_its_unit_when_the_checkpoint_is_lost(
 
 def test_a_partition_cannot_be_resized_to_a_fraction(tmp_path: Path) -> None:
     async def body() -> None:
-        fake = FakeSystemd()
-        fake.partitions = True
-        svc = service(tmp_path, fake)
-        await svc.start()
+        fake = systemd_262()
+        svc = await started(tmp_path, fake)
         await svc.allocate("web", "2", ISOLATED, 0)
         before = svc.ledger
         with pytest.raises(InvalidArgument, match=r"whole number of CPUs, not 1\.5"):
@@ -276,10 +278,8 @@ def test_root_on_boot_isolated_cpus_is_made_isolated() -> None:
 
 def test_after_a_systemd_downgrade_a_partition_is_a_plain_slice(tmp_path: Path) -> None:
     async def body() -> None:
-        fake = FakeSystemd()
-        fake.partitions = True
-        svc = service(tmp_path, fake)
-        await svc.start()
+        fake = systemd_262()
+        svc = await started(tmp_path, fake)
         await svc.allocate("web", "2", ISOLATED, 0)
         held = svc.allocation("web").whole
         fake.partitions = False  # systemd 252 again: it refuses the property
