@@ -22,7 +22,7 @@ def own_slice(record: Record) -> bool:
 
 def partition_of_request(request: Request) -> str:
     """The cpuset partition a request's slice is made (``none``: not a partition)."""
-    return str(getattr(request.options, "partition", partitions.NONE))
+    return str(request.options.partition)
 
 
 def partition_of(a: Allocation) -> str:

@@ -179,7 +179,7 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
         "lifetime": opts.lifetime, "owner": str(record.owner),
         "whole": a.whole.format() or "-",
     }
-    partition = str(getattr(opts, "partition", partitions.NONE))
+    partition = str(opts.partition)
     if partition != partitions.NONE:
         fields["partition"] = partition
     if a.request.cpuset is not None:

@@ -33,7 +33,7 @@ def allocation(topology: Topology, state: State, name: str,
     a = state.ledger.allocations[name]
     record = state.records.get(name, Record())
     p = placement.describe(topology, state.ledger, a)
-    wanted = str(getattr(a.request.options, "partition", partitions.NONE))
+    wanted = str(a.request.options.partition)
     made = partitions.mode(wanted, set(a.held.ids), set(state.ledger.isolated.ids))
     return {
         "Name": name, "CPUs": str(a.request.cpus), "Bound": a.bound,
