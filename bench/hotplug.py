@@ -7,7 +7,6 @@ cpuservice-shared.slice (asked over D-Bus in a tight loop). Prints, last:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -23,8 +22,7 @@ def main() -> int:
                               timeout=300 + 20 * ROUNDS),
     })
     result = outcome.results["bench"]
-    rows = [json.loads(line[7:]) for line in result.output.splitlines()
-            if line.startswith("RESULT ")]
+    rows = result.rows()
     if result.status != 0 or not rows:
         print(result.output)
         return 1

@@ -8,7 +8,6 @@ the kernel then refuses to pin a system.slice process to its CPUs. Prints, last:
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -25,8 +24,7 @@ def main() -> int:
                               needs=("install",)),
     }, release=lab.SID)
     result = outcome.results["bench"]
-    rows = [json.loads(line[7:]) for line in result.output.splitlines()
-            if line.startswith("RESULT ")]
+    rows = result.rows()
     if result.status != 0 or not rows:
         print(result.output)
         return 1

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CHECKOUT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("CPUSERVICE_LAB_CACHE", "/var/cache/cpuservice-lab"))
@@ -140,12 +141,24 @@ class Scenario:
 SKIPPED = 77
 
 
+RESULT = "RESULT "  # a scenario reports a check as this, then one JSON object, on one line
+
+
 @dataclass(frozen=True)
 class Result:
     name: str
     status: int
     output: str
     seconds: float = 0.0
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The checks the scenario reported (RESULT lines), in order."""
+        return [json.loads(line[len(RESULT):]) for line in self.output.splitlines()
+                if line.startswith(RESULT)]
+
+    def checks(self) -> dict[str, dict[str, Any]]:
+        """The reported checks by their "check" name (the last one of a name wins)."""
+        return {row["check"]: row for row in self.rows()}
 
 
 def kernel(boot: Path = Path("/boot")) -> tuple[Path, Path]:

@@ -96,4 +96,5 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         if "sysfs" in run.results:  # what the kernel showed half-way through hotplug
             for line in run.results["sysfs"].output.splitlines():
                 if '"transitions"' in line:
-                    terminalreporter.write_line(f"VM lab kernel hotplug states: {line[7:]}")
+                    states = line[len(lab.RESULT):]
+                    terminalreporter.write_line(f"VM lab kernel hotplug states: {states}")

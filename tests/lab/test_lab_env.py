@@ -63,8 +63,7 @@ def test_other_shapes_and_kernel_arguments(small_boot: lab.Run) -> None:
 def sysfs_facts(boot: lab.Run) -> dict[str, dict]:
     out = boot.results["sysfs"]
     assert out.status == 0, out.output
-    rows = [json.loads(line[7:]) for line in out.output.splitlines() if line.startswith("RESULT ")]
-    return {row["check"]: row for row in rows}
+    return out.checks()
 
 
 def test_what_the_kernel_shows_of_an_offline_cpu(boot: lab.Run) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.envs import lab
@@ -12,9 +10,7 @@ from tests.envs import lab
 def results(outcome: lab.Run, name: str) -> dict[str, dict]:
     out = outcome.results[name]
     assert out.status == 0, out.output
-    rows = [json.loads(line[7:]) for line in out.output.splitlines()
-            if line.startswith("RESULT ")]
-    return {row["check"]: row for row in rows}
+    return out.checks()
 
 
 @pytest.fixture(scope="module")

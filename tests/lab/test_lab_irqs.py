@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.envs import lab
 
 
 def rows(result: lab.Result) -> dict[str, dict]:  # type: ignore[type-arg]
-    return {r["check"]: r for r in (json.loads(line[7:]) for line in result.output.splitlines()
-                                     if line.startswith("RESULT "))}
+    return result.checks()
 
 
 def summary(result: lab.Result) -> dict[str, str]:

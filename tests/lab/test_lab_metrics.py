@@ -5,8 +5,6 @@ run alone, this module boots just the service's installation and the scenario.""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tests.envs import lab
@@ -25,8 +23,7 @@ def metrics(lab_ready: None) -> lab.Result:
 
 
 def rows(result: lab.Result) -> dict[str, dict]:  # type: ignore[type-arg]
-    return {r["check"]: r for r in (json.loads(line[7:]) for line in result.output.splitlines()
-                                     if line.startswith("RESULT "))}
+    return result.checks()
 
 
 def test_node_exporter_shows_the_metrics_and_they_follow_an_allocation(
