@@ -52,10 +52,14 @@ class Release:
     suite: str
     packages: tuple[str, ...]
     own_kernel: bool = False
+    panic_boots: int = 0  # boots again after a kernel panic anywhere, at most this often
 
 
 BOOKWORM = Release("bookworm", PACKAGES)
-SID = Release("sid", (*PACKAGES, "linux-image-amd64"), own_kernel=True)
+# Sid's Linux 7.2.13 panics now and then under QEMU's software emulation in scheduler and timer
+# code (sched_clock_cpu and enqueue_timer 2 s into a boot, update_sd_lb_stats and update_se
+# later), whatever runs: this session saw it in 4 of about 20 boots. Each panic is reported.
+SID = Release("sid", (*PACKAGES, "linux-image-amd64"), own_kernel=True, panic_boots=3)
 RUNNER = """#!/bin/sh
 # Mounts the payload disk and runs its runner (so the runner can change without a new image).
 mkdir -p /payload
@@ -333,26 +337,32 @@ def run(
     return their results. ``files`` are copied to /payload/files in the VM. The whole run is
     bounded by the boot allowance plus every scenario's time limit.
 
-    A kernel that panics while booting, before the first scenario (seen once with sid's Linux
-    7.2.13 under QEMU's software emulation, in timer code), is booted once more and the panic
-    reported in ``Run.boot_panic``; a panic once scenarios run fails the run."""
+    A kernel that panics while booting, before the first scenario, is booted once more; a
+    release with ``panic_boots`` is booted again after a panic anywhere, that often. Every panic
+    is reported in ``Run.boot_panic``; one more fails the run."""
     plan = {n: s if isinstance(s, Scenario) else Scenario(s) for n, s in scenarios.items()}
     base = base_image(release)
     boot = kernel_of(release, base)
-    try:
-        return _run_once(plan, shape, files, base, boot)
-    except _BootPanic as first:
-        outcome = _run_once(plan, shape, files, base, boot)
-        outcome.boot_panic = str(first)
+    panics: list[str] = []
+    while True:
+        try:
+            outcome = _run_once(plan, shape, files, base, boot, bool(release.panic_boots))
+        except _BootPanic as panic:
+            panics.append(str(panic))
+            if len(panics) > max(1, release.panic_boots):
+                raise LabError(f"the kernel panicked in {len(panics)} boots: "
+                               + " | ".join(panics)) from None
+            continue
+        outcome.boot_panic = " | ".join(panics)
         return outcome
 
 
 class _BootPanic(LabError):
-    """The kernel panicked before the first scenario began."""
+    """The kernel panicked (and may boot again)."""
 
 
 def _run_once(plan: Mapping[str, Scenario], shape: Shape, files: Sequence[Path], base: Path,
-              boot: tuple[Path, Path]) -> Run:
+              boot: tuple[Path, Path], any_panic: bool = False) -> Run:
     timeout = BOOT_ALLOWANCE + sum(s.timeout + 10 for s in plan.values())
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cpuservice-lab-", dir="/var/tmp") as tmp:
@@ -373,7 +383,7 @@ def _run_once(plan: Mapping[str, Scenario], shape: Shape, files: Sequence[Path],
         log = (workdir / "scenarios.log").read_text(errors="replace")
         console = (workdir / "console.log").read_text(errors="replace")
         if "@@LAB-END" not in log:
-            if "Kernel panic" in console and "@@SCENARIO-BEGIN" not in log:
+            if "Kernel panic" in console and (any_panic or "@@SCENARIO-BEGIN" not in log):
                 raise _BootPanic(_tail(workdir))
             raise LabError(f"VM ended early (qemu {qemu.returncode}: {err.decode()[-500:]}); "
                            f"console: {console[-1500:]} scenarios: {log[-1500:]}")

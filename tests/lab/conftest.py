@@ -92,7 +92,7 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             f"{run.total_seconds:.0f} s; scenarios (s): {times}")
         if run.boot_panic:
             terminalreporter.write_line(f"VM lab boot {name}: booted again after a kernel "
-                                        f"panic while booting: {run.boot_panic[:600]}")
+                                        f"panic: {run.boot_panic[:1200]}")
         if "sysfs" in run.results:  # what the kernel showed half-way through hotplug
             for line in run.results["sysfs"].output.splitlines():
                 if '"transitions"' in line:
