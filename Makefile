@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
-.PHONY: setup lint test test-unit test-unit-venv test-unit-debian test-integration test-lab \
+.PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern bench-placement bench-service bench-hotplug bench-irq bench-partition \
         run man deb
 
@@ -15,15 +15,22 @@ lint:
 	$(PY) -m ruff check cpuservice bench tests
 	$(PY) -m mypy
 
-# Each tier says when it starts and how long it took (scripts/tier.sh); the first failure stops.
-TIER    := bash scripts/tier.sh
-SUBMAKE := $(MAKE) --no-print-directory
+# Each tier says when it starts and how long it took (scripts/tier.sh); every tier runs even
+# after another failed, and a table of them (with what failed) closes the run.
 test:
-	@$(TIER) lint $(SUBMAKE) lint
-	@$(TIER) unit-pypi $(SUBMAKE) test-unit-venv
-	@$(TIER) unit-debian $(SUBMAKE) test-unit-debian
-	@$(TIER) integration $(SUBMAKE) test-integration
-	@$(TIER) lab $(SUBMAKE) test-lab
+	@bash scripts/tiers.sh lint:lint unit-pypi:test-unit-venv unit-debian:test-unit-debian \
+	    integration:test-integration lab:test-lab
+
+# Random exploration of the property tests (the gate's are derandomized: tests/props.py): a
+# fresh seed each run (or SEED=N to repeat one), EXPLORE_SCALE times the gate's examples.
+EXPLORE_SCALE ?= 20
+test-explore:
+	@seed=$${SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
+	echo "==> explore: hypothesis seed $$seed, $(EXPLORE_SCALE)x the gate's examples"; \
+	CPUSERVICE_HYPOTHESIS=explore CPUSERVICE_EXPLORE_SCALE=$(EXPLORE_SCALE) \
+	    $(PY) $(PYTEST) tests/unit --hypothesis-seed=$$seed; rc=$$?; \
+	echo "==> explore: seed $$seed, exit $$rc (repeat: make test-explore SEED=$$seed)"; \
+	exit $$rc
 
 test-unit: test-unit-venv test-unit-debian
 

@@ -7,11 +7,13 @@ inside them, the CPUs the policy takes (_pick):
   by a walk down socket -> node -> L3 group -> core that at every level takes the best-fitting
   group that holds the rest of the request (closest to the CPUs the allocation already has, then
   fewest free: packing), or, when none does, whole free groups first and the remainder in the
-  best-fitting group (_take, run on one thread per wholly free core). A lone thread only for what
-  is left (an odd remainder on SMT-2), and then the free sibling of a half-used core first, the
-  allocation's own or an L3 neighbour's, before a single-thread core, before splitting a wholly
-  free core; best fit between groups never overrides this. full-pcpus never splits a core: it
-  takes whole cores of any size (on hybrid machines single-thread cores too) or fails.
+  best-fitting group (_take, run on one thread per wholly free core), then cores whose other
+  threads are offline (or hybrid single-thread cores) while the even part is not covered. A
+  lone thread only for what is left (an odd remainder on SMT-2), and then the free sibling of a
+  half-used core first, the allocation's own or an L3 neighbour's, before a single-thread core,
+  before splitting a wholly free core; best fit between groups never overrides this.
+  full-pcpus never splits a core: it takes whole cores of any size (on hybrid machines
+  single-thread cores too) or fails.
 - spread-pcpus: one thread per core, first on cores another spread-pcpus allocation half uses
   (packed leaves those threads to it), then on wholly free cores, then on other partly free
   cores; then further threads.
@@ -1075,12 +1077,15 @@ def pack(
 
     First whole cores: as many wholly free cores of threads_per_core threads as fit in ``n``,
     chosen by the best-fit walk of _take on one thread per core (so by whole-core counts, near
-    ``near`` first). Then the rest, one thread at a time where it does the least harm: a loose
-    thread (the free sibling of a half-used core), nearest first (a sibling of ``near`` or of
-    the cores just taken, then the same L3 group, then the same node), loose threads on ``shy()``
-    cores last within a rank; then single-thread cores (hybrid machines, or cores with offline
-    threads); only then a thread of a wholly free core. ``strict`` (full-pcpus): never a thread
-    of a core without the others: InsufficientCPUs when whole cores cannot make ``n``.
+    ``near`` first). When those run out before the even part of ``n`` is covered, wholly free
+    cores of fewer online threads (hybrid machines, or cores with offline threads) make it up,
+    nearest first: they hold no lone thread. Then the rest (the odd remainder, or what no whole
+    core is left for), one thread at a time where it does the least harm: a loose thread (the
+    free sibling of a half-used core), nearest first (a sibling of ``near`` or of the cores just
+    taken, then the same L3 group, then the same node), loose threads on ``shy()`` cores last
+    within a rank; then single-thread cores; only then a thread of a wholly free core.
+    ``strict`` (full-pcpus): never a thread of a core without the others: InsufficientCPUs when
+    whole cores cannot make ``n``.
     """
     if n <= 0:
         return []
@@ -1110,6 +1115,14 @@ def pack(
     if not left:
         return out
     rank = _Rank(topology, [*near, *out])
+    if not strict and left >= tpc and single:
+        # wide cores ran out before the even part was covered: whole cores of fewer online
+        # threads make it up (no lone thread), nearest first; loose threads only for the rest
+        out += _whole_cores_of(topology, single, left - left % tpc, rank, exact=False)
+        left = n - len(out)
+        if not left:
+            return out
+        single = [c for c in single if c not in set(out)]
     spread: Collection[int] = shy() if loose and not strict else ()
     for tier in range(1 if strict else 3):
         if strict:
@@ -1145,18 +1158,26 @@ def pack(
     )
 
 
-def _whole_cores_of(topology: Topology, single: Collection[int], n: int) -> list[int]:
-    """Threads of whole small cores (from ``single``) adding up to at most ``n``, smallest
-    cores first (full-pcpus on a hybrid machine: one-thread cores make an odd remainder)."""
+def _whole_cores_of(
+    topology: Topology,
+    single: Collection[int],
+    n: int,
+    rank: Callable[[int], int] = lambda c: 0,
+    *,
+    exact: bool = True,
+) -> list[int]:
+    """Threads of whole small cores (from ``single``) adding up to at most ``n``, nearest
+    (``rank``) and smallest cores first (full-pcpus on a hybrid machine: one-thread cores make
+    an odd remainder); ``exact``: nothing unless they add up to exactly ``n``."""
     core_of = topology.levels[3]
     cores: dict[int, list[int]] = {}
     for c in single:
         cores.setdefault(core_of[c], []).append(c)
     out: list[int] = []
-    for k in sorted(cores, key=lambda k: (len(cores[k]), k)):
+    for k in sorted(cores, key=lambda k: (rank(min(cores[k])), len(cores[k]), k)):
         if len(out) + len(cores[k]) <= n:
-            out += cores[k]
-    return out if len(out) == n else []
+            out += sorted(cores[k])
+    return out if len(out) == n or not exact else []
 
 
 def _take(

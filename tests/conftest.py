@@ -9,6 +9,7 @@ import pytest
 
 from cpuservice.fixtures import MACHINES, SHAPES
 from cpuservice.topology import Topology
+from tests import props  # noqa: F401  (loads the hypothesis profile before any test module)
 
 
 def unavailable(reason: str) -> None:

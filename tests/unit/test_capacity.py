@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
@@ -23,6 +23,7 @@ from cpuservice.pools import Ledger
 from cpuservice.repair import repair
 from cpuservice.request import Request
 from cpuservice.topology import CPU, Topology, discover
+from tests.props import examples
 
 from .helpers import PLACEMENT_OPTIONS, bind, ledger_for
 
@@ -69,6 +70,7 @@ SHAPE = st.tuples(WHOLE, PIECES, OPTIONS,
 POOLS = st.tuples(st.sampled_from([100, 1000]), st.integers(1, 3),
                   st.lists(st.integers(0, 2000), max_size=3))
 STEPS = st.integers(0, 40)
+SEED = st.integers(0, 2**32 - 1)
 POLICIES = ("packed", "full-pcpus", "spread-pcpus")
 EXCLUSIVE = ("none", "pcpu", "numa")
 STRATEGIES = ("most-allocated", "least-allocated", "distribute-evenly")
@@ -86,10 +88,13 @@ def _options(rng: random.Random) -> dict[str, str]:
     return {key: rng.choice(values) for key, values in choices if rng.random() < 0.5}
 
 
-def build(full: Topology, pools: tuple[int, int, list[int]], steps: int, rng: random.Random
+def build(full: Topology, pools: tuple[int, int, list[int]], steps: int, seed: int
           ) -> tuple[Topology, Ledger]:
     """A ledger after ``steps`` random allocations, releases and hotplug events (like
-    test_properties, with reserved CPUs and min_shared_cpus); and the topology it goes with."""
+    test_properties, with reserved CPUs and min_shared_cpus), drawn from ``random.Random(seed)``
+    (a number, so a failing example prints as a value to paste into ``@example``); and the
+    topology it goes with."""
+    rng = random.Random(seed)
     granularity, min_shared, reserved = pools
     online = full.online.sorted()
     ledger = ledger_for(full, granularity=granularity, min_shared_cpus=min_shared,
@@ -132,19 +137,19 @@ def shape(topology: Topology, granularity: int, drawn: tuple[Any, ...]) -> Reque
         return None
 
 
-def check(full: Topology, pools: tuple[int, int, list[int]], steps: int, rng: random.Random,
+def check(full: Topology, pools: tuple[int, int, list[int]], steps: int, seed: int,
           drawn: tuple[Any, ...]) -> None:
-    topology, ledger = build(full, pools, steps, rng)
+    topology, ledger = build(full, pools, steps, seed)
     request = shape(topology, ledger.granularity, drawn)
     if request is not None:
         assert_counts(topology, ledger, request)
 
 
 @pytest.mark.parametrize("name", ["a", "b", "c", "d", "lab"])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pools=POOLS, steps=STEPS, rng=st.randoms(), drawn=SHAPE)
-def test_capacity_is_repeated_allocate(machine, name: str, pools, steps, rng, drawn) -> None:
-    check(machine(name), pools, steps, rng, drawn)
+@settings(max_examples=examples(120))
+@given(pools=POOLS, steps=STEPS, seed=SEED, drawn=SHAPE)
+def test_capacity_is_repeated_allocate(machine, name: str, pools, steps, seed, drawn) -> None:
+    check(machine(name), pools, steps, seed, drawn)
 
 
 def _manual(rows: list[tuple[int, int, int, int, int]], isolated: tuple[int, ...] = ()
@@ -199,18 +204,18 @@ def odd_machine(sysfs_dir: Path) -> Callable[[str], Topology]:
 
 
 @pytest.mark.parametrize("name", sorted(ODD_MACHINES))
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pools=POOLS, steps=STEPS, rng=st.randoms(), drawn=SHAPE)
-def test_capacity_on_unusual_topologies(odd_machine, name: str, pools, steps, rng, drawn
+@settings(max_examples=examples(60))
+@given(pools=POOLS, steps=STEPS, seed=SEED, drawn=SHAPE)
+def test_capacity_on_unusual_topologies(odd_machine, name: str, pools, steps, seed, drawn
                                         ) -> None:
-    check(odd_machine(name), pools, steps, rng, drawn)
+    check(odd_machine(name), pools, steps, seed, drawn)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(pools=POOLS, steps=STEPS, rng=st.randoms(), whole=st.integers(24, 160), drawn=SHAPE)
-def test_capacity_on_1024_cpus(machine, pools, steps, rng, whole: int, drawn) -> None:
+@settings(max_examples=examples(12))
+@given(pools=POOLS, steps=STEPS, seed=SEED, whole=st.integers(24, 160), drawn=SHAPE)
+def test_capacity_on_1024_cpus(machine, pools, steps, seed, whole: int, drawn) -> None:
     """Big requests only: a simulated allocate costs milliseconds on this machine."""
-    check(machine("e"), pools, steps, rng, (whole, *drawn[1:]))
+    check(machine("e"), pools, steps, seed, (whole, *drawn[1:]))
 
 
 def test_distribute_evenly_keeps_full_pcpus_whole(odd_machine) -> None:

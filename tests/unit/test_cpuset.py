@@ -3,12 +3,13 @@ from __future__ import annotations
 import time
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpuservice.cpuset import MAX_CPU_ID, MAX_TEXT, CPUSet, CPUSetError
 from cpuservice.errors import InvalidArgument
 from cpuservice.request import Request
+from tests.props import examples
 
 
 @pytest.mark.parametrize(
@@ -67,6 +68,7 @@ def test_out_of_range_ids() -> None:
         CPUSet.from_mask(b"\xff" * 2000)
 
 
+@settings(max_examples=examples(100))
 @given(st.frozensets(st.integers(0, 2048)))
 def test_roundtrips(ids: frozenset[int]) -> None:
     s = CPUSet(ids)

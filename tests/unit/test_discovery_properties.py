@@ -8,13 +8,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import Machine, Style, write_reading
 from cpuservice.sysfs import discover
 from cpuservice.topology import CPUFacts, NodeFacts, Reading, TopologyError, resolve
+from tests.props import examples
 from tests.unit.test_discovery import consistent
 
 MAX_CPUS = 12
@@ -54,7 +55,7 @@ def readings(draw: st.DrawFn) -> Reading:
                    draw(st.none() | st.frozensets(st.integers(0, 6)).map(CPUSet)))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300))
 @given(reading=readings(), again=st.booleans(), other=readings())
 def test_resolve_any_reading(reading: Reading, again: bool, other: Reading) -> None:
     t = resolve(reading)
@@ -77,8 +78,7 @@ damage = st.lists(st.tuples(st.integers(0, 10_000), st.sampled_from(
     ["delete", "garbage", "empty", "minus", "huge", "rmdir"])), max_size=6)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40))
 @given(machine=machines, style=styles, damage=damage,
        offline=st.frozensets(st.integers(1, 15), max_size=3))
 def test_discover_any_damaged_tree(tmp_path_factory, machine: Machine, style: Style,

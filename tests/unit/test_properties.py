@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
@@ -15,6 +15,7 @@ from cpuservice.pools import Ledger, check_index, check_invariants
 from cpuservice.repair import repair
 from cpuservice.request import Request
 from cpuservice.topology import Topology
+from tests.props import examples
 
 from .helpers import PLACEMENT_OPTIONS, ledger_for
 
@@ -51,7 +52,7 @@ def assert_degraded_only_when_it_cannot_fit(topology: Topology, ledger: Ledger) 
 
 
 @pytest.mark.parametrize("name", ["a", "b", "c", "d", "lab"])
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60))
 @given(ops=OPS, granularity=st.sampled_from([100, 1000]))
 @example(  # on d: the shared pool empties, 7.01 must move onto an isolated CPU, not degrade
     ops=[("online", 187), ("allocate", Decimal("7.01"), {"bind": True})], granularity=100

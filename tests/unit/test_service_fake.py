@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpuservice import config as config_mod
@@ -22,6 +22,7 @@ from cpuservice.errors import CPUServiceError, SystemdFailure
 from cpuservice.fixtures import MACHINES, write_sysfs
 from cpuservice.pools import check_invariants
 from cpuservice.service import Service
+from tests.props import examples
 from tests.unit.fake_systemd import (
     Crash,
     FakeKernel,
@@ -285,8 +286,7 @@ ACTIONS = st.one_of(
 )
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(25))
 @given(actions=st.lists(ACTIONS, min_size=1, max_size=14))
 def test_random_requests_hotplug_failures_and_crashes(tmp_path_factory: Any,
                                                       actions: list[tuple[Any, ...]]) -> None:

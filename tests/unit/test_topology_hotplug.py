@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import MACHINES, write_sysfs
 from cpuservice.topology import Topology, discover, refresh
+from tests.props import examples
 from tests.unit.helpers import HOTPLUG_STATES, write_hotplug_state
 
 STATES = st.one_of(st.sampled_from(sorted(HOTPLUG_STATES)),
@@ -80,8 +81,7 @@ def test_cpu_never_seen_online_is_inferred_then_read(tmp_path: Path) -> None:
     assert t == real and not t.inferred
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40))
 @given(machine=st.sampled_from(["lab", "b", "d"]), links=st.booleans(), start_fresh=st.booleans(),
        steps=st.lists(st.tuples(st.integers(0, 63), STATES, st.booleans()),
                       min_size=1, max_size=12))
@@ -135,8 +135,7 @@ def test_a_file_the_kernel_refuses_to_read_is_a_cpu_in_transition(tmp_path: Path
     assert refresh(root, t) == real
 
 
-@settings(max_examples=15, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(15))
 @given(shape=st.sampled_from(["no-node", "s390", "hybrid", "memory-only", "bulldozer"]),
        steps=st.lists(st.frozensets(st.integers(1, 15), max_size=3), min_size=1, max_size=4))
 @example(shape="no-node", steps=[frozenset({4})])  # an offline CPU of a pseudo node keeps it
