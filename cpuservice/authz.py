@@ -66,6 +66,12 @@ class Authority:
 
 
 MAX_ATTACH_PIDS = 256
+MAX_OPEN_PIDFDS = 512  # pidfds of all Attach calls in flight together (RLIMIT_NOFILE is 1024)
+PID_MAX_LIMIT = 2**22  # the kernel's PID_MAX_LIMIT: no PID is ever above it
+
+
+class BusyError(Exception):
+    """Too many Attach calls hold descriptors right now."""
 
 
 def process_uid(pid: int) -> int:
@@ -117,7 +123,14 @@ def may_move(pid: int, uid: int, own_units: set[str]) -> bool:
 class PidHandles:
     """pidfds of processes checked before a move: if one dies before the move is done its PID
     may have been reused, and the move is reported as unsafe. Each PID is opened once (a PID
-    named twice is moved once) and every descriptor is closed by close()."""
+    named twice is moved once) and every descriptor is closed by close().
+
+    Whatever a caller sends, descriptors stay bounded: every PID is checked (1 to PID_MAX_LIMIT)
+    before anything is opened, anything that goes wrong while opening closes what was opened, and
+    all the Attach calls in flight hold at most MAX_OPEN_PIDFDS descriptors together (LookupError
+    for a bad PID, BusyError beyond the budget)."""
+
+    _open = 0  # descriptors held by every PidHandles alive
 
     def __init__(self, pids: list[int]) -> None:
         self.fds: dict[int, int] = {}
@@ -125,13 +138,22 @@ class PidHandles:
         if len(unique) > MAX_ATTACH_PIDS:
             raise LookupError(f"{len(unique)} PIDs: at most {MAX_ATTACH_PIDS} per call")
         for pid in unique:
-            try:
-                if pid <= 0:
-                    raise ProcessLookupError
-                self.fds[pid] = os.pidfd_open(pid)
-            except OSError:
-                self.close()
-                raise LookupError(f"no process {pid}") from None
+            if type(pid) is not int or not 0 < pid <= PID_MAX_LIMIT:
+                raise LookupError(f"no process {pid}")
+        if PidHandles._open + len(unique) > MAX_OPEN_PIDFDS:
+            raise BusyError(f"too many processes are being attached at once (at most "
+                            f"{MAX_OPEN_PIDFDS}); try again when the other calls have ended")
+        try:
+            for pid in unique:
+                try:
+                    fd = os.pidfd_open(pid)
+                except (OSError, OverflowError, ValueError):
+                    raise LookupError(f"no process {pid}") from None
+                self.fds[pid] = fd
+                PidHandles._open += 1
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def pids(self) -> list[int]:
@@ -146,4 +168,5 @@ class PidHandles:
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
+            PidHandles._open -= 1
         self.fds.clear()

@@ -14,7 +14,7 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from . import __version__, dbuscall, journal
-from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, PidHandles, may_move
+from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, BusyError, PidHandles, may_move
 from .bus_objects import (
     ALLOCATION_SIGNATURES,
     BUS_NAME,
@@ -218,6 +218,8 @@ class Manager(ServiceInterface):
             handles = PidHandles(list(pids))
         except LookupError as exc:
             raise InvalidArgument(str(exc)) from None
+        except BusyError as exc:
+            raise LimitExceeded(str(exc)) from None
         try:
             if uid != 0:
                 mine = {self.service.record(n).unit for n in self.service.ledger.allocations

@@ -3,6 +3,8 @@ a snapshot written atomically and a journal of the changes since (see Store)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -117,15 +119,18 @@ def fsync_dir(path: Path) -> None:
 class Store:
     """The checkpoint: a snapshot file and a journal beside it.
 
-    The snapshot (``state.json``) is a header line (format, version, checksum of the rest) and the
-    payload as one line of JSON, written atomically (temp file, fsync, rename, fsync of the
-    directory). Each later change appends one line to the journal (``state.json.journal``): a
-    checksum and the JSON of the rows it puts and the names it deletes, then fsync; so a change
-    costs what it touches, not what exists. When the journal outgrows the snapshot, a new
-    snapshot takes it in and the journal is emptied (replaying it again would change nothing).
-    A last line without its newline (a write that never returned) is ignored on load; any other
-    damage is a CheckpointError (and the state is rebuilt from the units). A failed write leaves
-    the files and this object as they were and raises CheckpointWriteError."""
+    The snapshot (``state.json``) is a header line (format, version, generation, checksum of the
+    rest) and the payload as one line of JSON, written atomically (temp file, fsync, rename, fsync
+    of the directory). Each later change appends one line to the journal (``state.json.journal``):
+    a checksum and the JSON of the rows it puts and the names it deletes, stamped with the
+    snapshot's generation, then fsync; so a change costs what it touches, not what exists. When
+    the journal outgrows the snapshot, a new snapshot (the next generation) takes it in and the
+    journal is emptied. Snapshot and journal are one generation: a load replays only the journal
+    lines of the snapshot's generation, so a crash between a snapshot's rename and the journal's
+    truncation never replays older changes onto the newer snapshot. A last line without its
+    newline (a write that never returned) is dropped on load; any other damage is a
+    CheckpointError (and the state is rebuilt from the units). A failed or short write leaves the
+    files and this object as they were and raises CheckpointWriteError."""
 
     JOURNAL_MIN_BYTES = 64 * 1024
 
@@ -136,6 +141,10 @@ class Store:
         self._granularity: int | None = None
         self._snapshot_bytes = 0
         self._journal_bytes: int | None = None  # None: not known to match the snapshot
+        self._generation = 0  # the snapshot's, as loaded or last written
+        # why the last write failed (disk full, read-only), until one succeeds: the service
+        # says so in its status and refuses only the changes that need a write
+        self.write_error: str | None = None
 
     def save(self, state: State, touched: set[str] | None = None) -> None:
         """Write ``state``; ``touched`` names the allocations changed since the last save (the
@@ -164,14 +173,17 @@ class Store:
     def _append(self, names: set[str], rows: dict[str, str], granularity: int) -> None:
         put = ",".join(rows[n] for n in sorted(names) if n in rows)
         deleted = json.dumps(sorted(n for n in names if n not in rows))
-        body = f'{{"put":[{put}],"del":{deleted},"granularity":{granularity}}}'
+        body = (f'{{"put":[{put}],"del":{deleted},"granularity":{granularity},'
+                f'"generation":{self._generation}}}')
         line = f"{_checksum(body)} {body}\n".encode()
         len_before = self._journal_bytes
         assert len_before is not None
         try:
-            fd = os.open(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = _open_private(self.journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
             try:
-                os.write(fd, line)
+                written = os.write(fd, line)
+                if written != len(line):  # a short write (a nearly full disk) is a failed one
+                    raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
                 os.fsync(fd)
             except OSError:
                 self._journal_bytes = None  # the next change writes a snapshot
@@ -182,32 +194,48 @@ class Store:
             if len_before == 0:
                 fsync_dir(self.path.parent)
         except OSError as exc:
-            raise CheckpointWriteError(f"cannot write {self.journal}: {exc.strerror}") from None
+            self.write_error = f"cannot write {self.journal}: {exc.strerror}"
+            raise CheckpointWriteError(self.write_error) from None
+        self.write_error = None
         self._rows, self._granularity = rows, granularity
         self._journal_bytes = len_before + len(line)
 
     def _snapshot(self, rows: dict[str, str], granularity: int) -> None:
         payload = f'{{"allocations":[{",".join(rows.values())}],"granularity":{granularity}}}'
-        header = json.dumps({"format": FORMAT, "version": VERSION, "checksum": _checksum(payload)})
+        generation = self._generation + 1
+        header = json.dumps({"format": FORMAT, "version": VERSION, "generation": generation,
+                             "checksum": _checksum(payload)})
         temp = self.path.with_name(f".{self.path.name}.tmp")
         text = f"{header}\n{payload}\n".encode()
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(temp, "wb") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
+            temp.unlink(missing_ok=True)  # O_EXCL below: never write through a planted link
+            fd = _open_private(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            try:
+                view = memoryview(text)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             os.replace(temp, self.path)
             fsync_dir(self.path.parent)
         except OSError as exc:
-            temp.unlink(missing_ok=True)
-            raise CheckpointWriteError(f"cannot write {self.path}: {exc.strerror}") from None
+            with contextlib.suppress(OSError):
+                temp.unlink(missing_ok=True)
+            self.write_error = f"cannot write {self.path}: {exc.strerror}"
+            raise CheckpointWriteError(self.write_error) from None
+        self.write_error = None
         self._rows, self._granularity, self._snapshot_bytes = rows, granularity, len(text)
+        self._generation = generation
         self._journal_bytes = None
         try:  # the snapshot holds everything: the journal may go (replaying it is harmless)
-            with open(self.journal, "r+b") as f:
-                f.truncate(0)
-                os.fsync(f.fileno())
+            fd = _open_private(self.journal, os.O_WRONLY)
+            try:
+                os.ftruncate(fd, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             self._journal_bytes = 0
         except FileNotFoundError:
             self._journal_bytes = 0
@@ -234,13 +262,19 @@ class Store:
             raise CheckpointError(f"{self.path}: version {version}, expected {VERSION}")
         if checksum != _checksum(payload_text):
             raise CheckpointError(f"{self.path}: checksum mismatch")
+        generation = header.get("generation", 0)
+        if type(generation) is not int:
+            raise CheckpointError(f"{self.path}: bad generation {generation!r}")
         try:
             payload = dict(json.loads(payload_text))
             rows = {row["name"]: row for row in payload["allocations"]}
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{self.path}: unreadable payload: {exc}") from None
         granularity = payload.get("granularity")
+        self._generation = generation
         for change in self._journal_lines():
+            if change.get("generation", 0) != generation:
+                continue  # an older snapshot's change, already in this one
             for row in change["put"]:
                 rows[row["name"]] = row
             for name in change["del"]:
@@ -248,6 +282,11 @@ class Store:
             granularity = change["granularity"]
         payload["allocations"], payload["granularity"] = list(rows.values()), granularity
         return payload
+
+    @property
+    def generation(self) -> int:
+        """The snapshot generation last loaded or written."""
+        return self._generation
 
     def _journal_lines(self) -> list[dict[str, Any]]:
         try:
@@ -281,6 +320,11 @@ class Store:
             os.replace(self.journal, self.journal.with_name(f"{self.journal.name}.corrupt-{stamp}"))
         self._journal_bytes = None
         return aside
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """open(2) for the daemon's own files: mode 0600, never through a symbolic link."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
 
 
 def _dump(row: dict[str, Any]) -> str:

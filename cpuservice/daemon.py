@@ -110,8 +110,14 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     manager = Manager(service, bus, Authority(bus))
     textfile = metrics_file(cfg, service)
 
+    def status() -> str:
+        text = notify.status_text(service.ledger)
+        if service.engine.store.write_error:
+            text += f"; READ-ONLY, changes refused: {service.engine.store.write_error}"
+        return text
+
     def changed() -> None:
-        notifier.status(notify.status_text(service.ledger))
+        notifier.status(status())
         if textfile is not None:
             textfile.changed()
 
@@ -127,7 +133,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
         return 1
     log.info("cpuserviced %s serving %d allocation(s); shared CPUs %s", __version__,
              len(service.ledger.allocations), service.ledger.shared)
-    notifier.ready(notify.status_text(service.ledger))
+    notifier.ready(status())
     notifier.start_watchdog()
     if textfile is not None:
         textfile.write()

@@ -30,7 +30,8 @@ class SystemdFailure(CPUServiceError):
 
 
 class LimitExceeded(CPUServiceError):
-    """A per-user limit (max_allocations_per_user, max_cpus_per_user) would be exceeded."""
+    """A per-user limit (max_allocations_per_user, max_cpus_per_user) would be exceeded, or a
+    service-wide bound on work in flight (descriptors of Attach calls) is reached."""
 
     dbus_name = "org.cpuservice1.Error.LimitExceeded"
 

@@ -12,8 +12,10 @@ file is removed when the daemon stops, so a stopped service is seen as absent me
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,18 +193,12 @@ class Textfile:
         text = self.render()
         if text == self._written and self.path.exists():
             return True
-        tmp = directory / f".{self.path.name}.{os.getpid()}.tmp"  # not *.prom: never read
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            with os.fdopen(fd, "w") as f:
-                os.fchmod(f.fileno(), 0o644)  # the exporter's user reads it, whatever the umask
-                f.write(text)
-            os.replace(tmp, self.path)
+            _replace_file(directory, self.path.name, text.encode())
         except OSError as exc:
             if not self._skipping:
                 log.warning("cannot write metrics to %s: %s", self.path, exc)
                 self._skipping = True
-            tmp.unlink(missing_ok=True)
             return False
         if self._skipping:
             log.info("writing metrics to %s", self.path)
@@ -219,3 +215,31 @@ class Textfile:
             self.path.unlink(missing_ok=True)
         except OSError as exc:
             log.warning("cannot remove %s: %s", self.path, exc)
+
+
+def _replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Replace ``directory/name`` with ``data`` (mode 0644), safely in a directory another
+    user may write (Debian's /var/lib/prometheus/node-exporter belongs to prometheus): the
+    directory is opened without following a link, the temp file gets a fresh random name with
+    O_EXCL|O_NOFOLLOW (mkstemp's flags, relative to the directory), its mode is set on the
+    descriptor, and the rename happens inside the directory; nothing follows a planted link."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"  # not *.prom: the exporter never reads it
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dfd)
+        try:
+            try:
+                os.fchmod(fd, 0o644)  # the exporter's user reads it, whatever the umask
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)

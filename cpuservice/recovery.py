@@ -11,7 +11,14 @@ from pathlib import Path
 from types import MappingProxyType
 
 from . import journal, units
-from .checkpoint import CheckpointError, Record, State, from_payload, fsync_dir
+from .checkpoint import (
+    CheckpointError,
+    CheckpointWriteError,
+    Record,
+    State,
+    from_payload,
+    fsync_dir,
+)
 from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger, kernel_holders
 from .errors import CPUServiceError
 from .irqs import KERNEL_HOLDERS
@@ -58,7 +65,14 @@ async def start(engine: Engine) -> None:
         ledger, changes = repair(engine.topology, state.ledger)
         new = State(ledger, state.records)
         check_invariants(ledger)
-        engine.store.save(new)
+        try:
+            engine.store.save(new)
+        except CheckpointWriteError as exc:
+            # serve anyway: what this start derived (repair, releases of vanished units) follows
+            # from the checkpoint and systemd again at the next start; changes that need a
+            # write are refused until one succeeds (the status says so)
+            log.error("%s: serving read-only, every change is refused until the state can be "
+                      "written", exc)
         mark_confinement(engine)  # before systemd confines anything: a crash cannot hide it
         await engine.sync(new)
         engine.state = new
@@ -69,7 +83,10 @@ async def start(engine: Engine) -> None:
         # foreign units whose lifetime=unit allocation ended while the daemon was down get
         # their saved values back, and only then is the allocation forgotten
         for name in await ended(engine.systemd, engine.state):
-            await release(engine, name, "its unit ended")
+            try:
+                await release(engine, name, "its unit ended")
+            except CPUServiceError as exc:
+                log.error("cannot release %s, whose unit ended: %s", name, exc)
 
 
 def restored(topology: Topology, state: State, changes: list[Change],
@@ -103,9 +120,13 @@ def mark_confinement(engine: Engine) -> None:
           **{h: h in kernel_holders(engine.config) for h in KERNEL_HOLDERS}}
     for key, path in marks.items():
         if on[key] and not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.touch()
-            fsync_dir(path.parent)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+                fsync_dir(path.parent)
+            except OSError as exc:
+                log.error("cannot write %s (%s): a crash now would not remember what this "
+                          "configuration confines", path, exc.strerror)
 
 
 async def confinement(engine: Engine) -> None:

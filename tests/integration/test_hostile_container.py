@@ -130,3 +130,25 @@ def test_the_journal_knows_priorities_and_the_daemons_name(daemon: ServiceHost) 
 
     assert "serving" in journal("-p", "info") and "serving" not in journal("-p", "err")
     assert "set aside" in journal("-p", "err") or "kept it as" in journal("-p", "err")
+
+
+def test_attach_with_an_impossible_pid_leaks_no_descriptor(granted: ServiceHost) -> None:
+    """Issue 25 item 1 on the real bus: as uid 65534 with only the allocate grant, Attach lists
+    that also hold 4294967295 (above 2**31-1) get InvalidArgument and leave the daemon's
+    descriptor count as it was; Allocate and Release keep working."""
+    daemon = granted
+    daemon.configure("b")
+    assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", "n1", "1", "0"), BusctlError)
+    pid = daemon.c.run(["systemctl", "show", "-P", "MainPID", "cpuservice.service"]
+                       ).stdout.strip()
+
+    def fds() -> int:
+        return int(daemon.c.run(["sh", "-c", f"ls /proc/{pid}/fd | wc -l"]).stdout)
+
+    before = fds()
+    for _ in range(25):
+        out = as_nobody(daemon, "Attach", "sau", "n1", "3", "1", str(int(pid)), "4294967295")
+        assert isinstance(out, BusctlError) and "no process 4294967295" in out.text, out
+    assert fds() <= before + 1
+    assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", "n2", "1", "0"), BusctlError)
+    assert not isinstance(as_nobody(daemon, "Release", "s", "n2"), BusctlError)

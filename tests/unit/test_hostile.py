@@ -116,6 +116,36 @@ def test_attach_opens_one_descriptor_per_pid_and_closes_all() -> None:
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
+def test_attach_with_a_pid_beyond_any_pid_opens_nothing() -> None:
+    """Issue 25 item 1: a PID list holding a number above 2**31-1 made pidfd_open raise
+    OverflowError (not an OSError) after the other PIDs were opened, and their descriptors
+    leaked: 18 calls filled all 1,024. Every value an ``au`` can carry is a named error now,
+    with nothing left open, whatever its place in the list."""
+    fds_before = len(os.listdir("/proc/self/fd"))
+    mine = os.getpid()
+    for bad in (2**31, 2**32 - 1, 2**22 + 1, 0, -1):
+        for pids in ([mine, bad], [bad, mine], [mine, os.getppid(), bad]):
+            for _ in range(30):
+                with pytest.raises(LookupError, match="no process"):
+                    authz.PidHandles(pids)
+    assert len(os.listdir("/proc/self/fd")) == fds_before
+    assert authz.PidHandles._open == 0
+
+
+def test_attach_descriptors_are_bounded_across_calls_in_flight(monkeypatch) -> None:
+    """Calls that wait (for polkit, for systemd) hold their pidfds: together at most
+    MAX_OPEN_PIDFDS, beyond that a named error and nothing opened."""
+    monkeypatch.setattr(authz, "MAX_OPEN_PIDFDS", 3)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    a = authz.PidHandles([os.getpid(), os.getppid()])
+    with pytest.raises(authz.BusyError, match="at once"):
+        authz.PidHandles([os.getpid(), os.getppid()])
+    b = authz.PidHandles([os.getpid()])
+    a.close()
+    b.close()
+    assert len(os.listdir("/proc/self/fd")) == fds_before and authz.PidHandles._open == 0
+
+
 def test_who_may_move_a_process() -> None:
     own = {"cpuservice-bound-mine.slice"}
     assert authz.movable_from("/user.slice/user-1000.slice/session-3.scope", 1000, own)
@@ -301,7 +331,7 @@ def test_a_failed_snapshot_changes_nothing_and_the_next_start_agrees(tmp_path: P
         host = Host(tmp_path)
         svc = await host.service()
         await svc.allocate("a", "2", BIND, 0)
-        real_open = open
+        real_open = checkpoint.os.open
 
         def refuse(path: Any, *args: Any, **kwargs: Any) -> Any:
             if str(path).endswith(".tmp"):
@@ -309,17 +339,52 @@ def test_a_failed_snapshot_changes_nothing_and_the_next_start_agrees(tmp_path: P
             return real_open(path, *args, **kwargs)
 
         monkeypatch.setattr(checkpoint.Store, "JOURNAL_MIN_BYTES", 0)  # every change snapshots
-        monkeypatch.setattr("builtins.open", refuse)
+        monkeypatch.setattr(checkpoint.os, "open", refuse)
         for _ in range(3):
             with pytest.raises(checkpoint.CheckpointWriteError):
                 await svc.allocate("b", "2", BIND, 0)
             with pytest.raises(checkpoint.CheckpointWriteError):
                 await svc.release("a")
-        monkeypatch.setattr("builtins.open", real_open)
+        monkeypatch.setattr(checkpoint.os, "open", real_open)
         assert sorted(svc.ledger.allocations) == ["a"]
         await svc.allocate("c", "2", BIND, 0)
         again = await host.service()
         assert sorted(again.ledger.allocations) == ["a", "c"]
+        agree(again, host.fake)
+    run(body)
+
+
+def test_a_read_only_state_directory_still_starts_and_serves(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """Issue 25 item 8: startup always wrote a snapshot, so a full or read-only state
+    filesystem kept the daemon from starting at all although nothing needed writing. It serves
+    now, says why in its status, and refuses only the changes that need a write."""
+    from cpuservice import checkpoint
+
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("a", "2", BIND, 0)
+        real_open = checkpoint.os.open
+
+        def read_only(path: Any, flags: int, *args: Any) -> Any:
+            if flags & (os.O_WRONLY | os.O_RDWR):
+                raise OSError(30, "Read-only file system")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(checkpoint.os, "open", read_only)
+        again = await host.service()
+        assert sorted(again.ledger.allocations) == ["a"]
+        assert again.engine.store.write_error and "Read-only" in again.engine.store.write_error
+        agree(again, host.fake)
+        with pytest.raises(checkpoint.CheckpointWriteError):
+            await again.allocate("b", "1", BIND, 0)
+        with pytest.raises(checkpoint.CheckpointWriteError):
+            await again.release("a")
+        assert sorted(again.ledger.allocations) == ["a"]
+        monkeypatch.setattr(checkpoint.os, "open", real_open)
+        await again.allocate("b", "1", BIND, 0)
+        assert again.engine.store.write_error is None
         agree(again, host.fake)
     run(body)
 

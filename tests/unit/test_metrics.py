@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -152,3 +153,29 @@ def test_a_missing_directory_is_skipped_with_one_line(tmp_path: Path,
     assert len(caplog.records) == 1 and "does not exist" in caplog.records[0].getMessage()
     (tmp_path / "none").mkdir()  # the node exporter was installed meanwhile
     assert out.write() and (tmp_path / "none/cpuservice.prom").exists()
+
+
+def test_textfile_never_follows_a_planted_link(tmp_path: Path) -> None:
+    """Issue 25 item 10: the temp file had a predictable name and was opened without O_EXCL or
+    O_NOFOLLOW, so the owner of the textfile directory (prometheus on Debian 12) could make root
+    truncate, overwrite and chmod 0644 any file through a symlink. Now every predictable name
+    and the directory itself may be links to a victim: the victim stays as it was."""
+    victim = tmp_path / "shadow"
+    victim.write_text("secret\n")
+    victim.chmod(0o600)
+    directory = tmp_path / "textfiles"
+    directory.mkdir()
+    for pid in range(os.getpid() - 2, os.getpid() + 3):  # the old predictable names
+        (directory / f".cpuservice.prom.{pid}.tmp").symlink_to(victim)
+    out = metrics.Textfile(str(directory / "cpuservice.prom"), lambda: "a 1\n")
+    assert out.write()
+    assert victim.read_text() == "secret\n" and victim.stat().st_mode & 0o777 == 0o600
+    assert (directory / "cpuservice.prom").read_text() == "a 1\n"
+    (directory / "cpuservice.prom").unlink()
+    (directory / "cpuservice.prom").symlink_to(victim)  # the target itself: replaced, not followed
+    assert metrics.Textfile(str(directory / "cpuservice.prom"), lambda: "a 2\n").write()
+    assert victim.read_text() == "secret\n" and not (directory / "cpuservice.prom").is_symlink()
+    linked = tmp_path / "linked"
+    linked.symlink_to(tmp_path)  # a directory swapped for a link: refused
+    assert not metrics.Textfile(str(linked / "shadow"), lambda: "x\n").write()
+    assert victim.read_text() == "secret\n" and victim.stat().st_mode & 0o777 == 0o600
