@@ -394,6 +394,7 @@ def test_a_full_disk_is_a_named_error_and_changes_nothing(tmp_path: Path, monkey
         svc = await host.service()
         await svc.allocate("a", "2", BIND, 0)
         before, writes = svc.state, len(host.fake.writes)
+        real_write = os.write
 
         def full(fd: int, data: bytes) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
@@ -403,7 +404,7 @@ def test_a_full_disk_is_a_named_error_and_changes_nothing(tmp_path: Path, monkey
             await svc.allocate("b", "2", BIND, 0)
         assert caught.value.dbus_name == "org.cpuservice1.Error.CheckpointFailed"
         assert svc.state is before and len(host.fake.writes) == writes
-        monkeypatch.setattr(checkpoint.os, "write", os.write)
+        monkeypatch.setattr(checkpoint.os, "write", real_write)
         await svc.allocate("c", "2", BIND, 0)  # keeps serving; the next start agrees
         again = await host.service()
         assert set(again.ledger.allocations) == {"a", "c"}
