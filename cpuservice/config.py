@@ -60,11 +60,12 @@ class Config(compat.StrictModel):
     def cpu_limit(self, online: int) -> Decimal | None:
         """The bound CPUs one unprivileged user may hold on ``online`` CPUs (None: no limit)."""
         text = self.max_cpus_per_user
-        if text in ("", "0", "0%"):
+        number = Decimal(text.rstrip("%"))
+        if not number:  # 0, "0", "0.0", "0%": one meaning, no limit
             return None
         if text.endswith("%"):
-            return Decimal(online) * Decimal(text[:-1]) / 100
-        return Decimal(text)
+            return Decimal(online) * number / 100
+        return number
 
     @property
     def reserved(self) -> CPUSet:
@@ -146,6 +147,11 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
         config.reserved  # noqa: B018 - validates the cpu list
     except CPUSetError as exc:
         raise ConfigError(f"{source}: reserved_cpus: {exc}") from None
+    _check_state_file(config.state_file, source)
+    limit_text = config.max_cpus_per_user
+    if limit_text.endswith("%") and Decimal(limit_text[:-1]) > 100:
+        raise ConfigError(f"{source}: max_cpus_per_user: {limit_text!r} is more than every "
+                          "online CPU; use \"0\" for no limit")
     if config.metrics_file and not (config.metrics_file.startswith("/")
                                     and config.metrics_file.endswith(".prom")):
         raise ConfigError(f"{source}: metrics_file: {config.metrics_file!r} is not an absolute "
@@ -158,3 +164,24 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
     except InvalidArgument as exc:
         raise ConfigError(f"{source}: defaults: {exc}") from None
     return config
+
+
+# temporary directories: cleaned behind the daemon's back, private to the unit (PrivateTmp), or
+# writable by every user; the checkpoint must survive and be the daemon's alone
+VOLATILE_DIRS = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+
+
+def _check_state_file(text: str, source: str) -> None:
+    """state_file must be an absolute path of a file (not a directory) outside the temporary
+    directories; what is wrong with it is a ConfigError that says what works."""
+    path = Path(text)
+    where = f"{source}: state_file: {text!r}"
+    if not path.is_absolute() or ".." in path.parts:
+        raise ConfigError(f"{where} is not an absolute path (e.g. /var/lib/cpuservice/state.json)")
+    if any(path.is_relative_to(t) for t in VOLATILE_DIRS):
+        raise ConfigError(f"{where} is under a temporary directory, which is cleaned and private "
+                          "to the service; use /var/lib/cpuservice/state.json")
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory; name a file in it (e.g. {path}/state.json)")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise ConfigError(f"{where}: {path.parent} is not a directory")

@@ -314,6 +314,7 @@ class Service:
                 await self.systemd.start_transient(scope, props)
             except SystemdFailure as exc:
                 raise InvalidArgument(f"cannot attach PIDs {list(pids)}: {exc}") from None
+            self.lifetime.member(scope, name)
             if not record.populated:
                 records = {**self.state.records, name: replace(record, populated=True)}
                 await self.engine.commit(State(self.ledger, records), {name})

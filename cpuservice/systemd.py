@@ -203,3 +203,19 @@ class Systemd:
                 return []
             raise
         return [int(row[1]) for row in rows]
+
+    async def member_units(self, unit: str) -> set[str]:
+        """The units right below ``unit`` (a slice) that hold its processes, from the control
+        group paths GetUnitProcesses reports."""
+        try:
+            (rows,) = await self.call("GetUnitProcesses", "s", [unit])
+        except SystemdFailure as exc:
+            if NO_SUCH_UNIT in str(exc):
+                return set()
+            raise
+        out = set()
+        for row in rows:
+            parts = str(row[0]).split("/")
+            if unit in parts and parts.index(unit) + 1 < len(parts):
+                out.add(parts[parts.index(unit) + 1])
+        return out

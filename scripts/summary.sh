@@ -17,5 +17,9 @@ done < "$dir/table"
 echo "==> summary"
 printf '%-14s %-18s %6s   %s\n' tier result time tests
 cat "$dir/table"
+if [ -n "${CPUSERVICE_TEST_START:-}" ]; then
+  took=$(($(date +%s) - CPUSERVICE_TEST_START))
+  printf '%-14s %-18s %3dm%02ds\n' total "" $((took / 60)) $((took % 60))
+fi
 if [ $failed -eq 0 ]; then echo "==> all tiers passed"; else echo "==> FAILED: see above"; fi
 exit $failed

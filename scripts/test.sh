@@ -4,7 +4,8 @@
 # them and what failed; exits non-zero when any tier failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export CPUSERVICE_TIER_DIR
+export CPUSERVICE_TIER_DIR CPUSERVICE_TEST_START
+CPUSERVICE_TEST_START=$(date +%s)
 CPUSERVICE_TIER_DIR=$(mktemp -d)
 images=
 cleanup() {

@@ -36,3 +36,13 @@ def machine(sysfs_dir: Path):  # type: ignore[no-untyped-def]
         return cache[name]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _state_files_in_pytests_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tests keep their state files in pytest's tmp_path, under /tmp, which the daemon's
+    configuration refuses (cpuservice.config.VOLATILE_DIRS; tests/unit/test_config.py checks
+    that rule with its own list)."""
+    from cpuservice import config
+
+    monkeypatch.setattr(config, "VOLATILE_DIRS", ())

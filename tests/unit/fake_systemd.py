@@ -48,6 +48,7 @@ class FakeSystemd:
         self.writes: list[Write] = []
         self.timeline: list[dict[str, CPUSet]] = [self.snapshot()]
         self.calls = 0  # mutating calls so far
+        self.reads = 0  # reading calls so far (unit_path, get, processes, ...)
         self.fail: Callable[[int, str, str], Exception | None] = lambda n, member, unit: None
         self.on_unit_removed: Callable[[str], None] = lambda unit: None
         self.on_unit_new: Callable[[str], None] = lambda unit: None
@@ -169,13 +170,16 @@ class FakeSystemd:
         return PartitionState(mode, reason, False) if reason else PartitionState(mode)
 
     async def load_state(self, unit: str) -> str:
+        self.reads += 1
         u = self.units.get(unit)
         return "not-found" if u is None else str(u.props.get("LoadState", "loaded"))
 
     async def unit_path(self, unit: str) -> str | None:
+        self.reads += 1
         return self.path(unit) if unit in self.units else None
 
     async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]:
+        self.reads += 1
         if unit not in self.units and unit != "-.slice":  # the root slice is always loaded
             return {}
         u = self.units.get(unit, Unit(unit))
@@ -190,14 +194,22 @@ class FakeSystemd:
         return {k: values[k] for k in names if k in values}
 
     async def list_units(self, patterns: Sequence[str]) -> list[tuple[str, str]]:
+        self.reads += 1
         return [(u.name, u.active) for u in self.units.values()
                 if any(fnmatch.fnmatchcase(u.name, p) for p in patterns)]
 
     async def processes(self, unit: str) -> list[int]:
+        self.reads += 1
         prefix = unit[:-len(".slice")] + "-" if unit.endswith(".slice") else None
         return [p for u in self.units.values() for p in u.pids
                 if u.name == unit or u.props.get("Slice") == unit
                 or (prefix and u.name.startswith(prefix))]
+
+    async def member_units(self, unit: str) -> set[str]:
+        self.reads += 1
+        prefix = unit[:-len(".slice")] + "-" if unit.endswith(".slice") else None
+        return {u.name for u in self.units.values() if u.pids and u.name != unit and (
+            u.props.get("Slice") == unit or (prefix and u.name.startswith(prefix)))}
 
     async def watch_unit(self, path: str) -> None:
         self.watched.add(path)

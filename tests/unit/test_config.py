@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,43 @@ def test_check_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     bad.write_text("colour = 1\n")
     assert daemon.main(["--config", str(path), "--check-config"]) == daemon.EXIT_CONFIG == 78
     assert f"{bad}: colour" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("state.json", "not an absolute path"),
+    ("/var/lib/../tmp/state.json", "not an absolute path"),
+    ("/tmp/cpuservice/state.json", "temporary directory"),
+    ("/var/tmp/state.json", "temporary directory"),
+    ("/dev/shm/state.json", "temporary directory"),
+])
+def test_a_state_file_that_cannot_work_is_refused(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                  says: str) -> None:
+    """Issue 25 item 12: --check-config passed a relative state_file, one under /tmp (private
+    to the unit and cleaned: the allocations are forgotten at the next restart) and a
+    directory; each fails or surprises at run time."""
+    monkeypatch.setattr(config, "VOLATILE_DIRS", (Path("/tmp"), Path("/var/tmp"),
+                                                  Path("/dev/shm")))
+    with pytest.raises(config.ConfigError, match=says):
+        config.validate({"state_file": value})
+
+
+def test_a_state_file_that_is_a_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(config.ConfigError, match="is a directory"):
+        config.validate({"state_file": str(tmp_path)})
+    (tmp_path / "file").write_text("")
+    with pytest.raises(config.ConfigError, match="not a directory"):
+        config.validate({"state_file": str(tmp_path / "file" / "state.json")})
+    assert config.validate({"state_file": str(tmp_path / "state.json")})
+
+
+@pytest.mark.parametrize("zero", ["0", "0.0", "0.000", "0%", "0.0%", 0])
+def test_every_spelling_of_zero_cpus_per_user_means_no_limit(zero: object) -> None:
+    """Issue 25 item 12: "0" meant no limit while "0.0" meant zero CPUs."""
+    assert config.validate({"max_cpus_per_user": zero}).cpu_limit(16) is None
+
+
+def test_cpus_per_user_limits_that_cannot_work_are_refused() -> None:
+    with pytest.raises(config.ConfigError, match="more than every online CPU"):
+        config.validate({"max_cpus_per_user": "150%"})
+    assert config.validate({"max_cpus_per_user": "100%"}).cpu_limit(16) == 16
+    assert config.validate({"max_cpus_per_user": "2.5"}).cpu_limit(16) == Decimal("2.5")

@@ -422,6 +422,33 @@ def test_a_unit_signal_during_a_check_is_not_lost(tmp_path: Path) -> None:
     run(body)
 
 
+def test_signals_about_other_units_do_not_amplify(tmp_path: Path) -> None:
+    """Issue 25 item 11: every UnitNew/UnitRemoved (any user causes them with LoadUnit) made the
+    daemon query every lifetime=unit allocation: 80 signals caused 3,784 calls to PID 1. Now a
+    removal of a unit that is not ours costs nothing and a new scope or service one Slice
+    lookup; an allocation's own unit ending still ends it."""
+    async def body() -> None:
+        host = Host(tmp_path, max_allocations_per_user=0)
+        svc = await host.service()
+        for i in range(40):
+            await svc.allocate(f"l{i}", "0.1", {"lifetime": "unit"}, 0)
+        await svc.attach("l0", [4242])
+        await asyncio.sleep(0.2)
+        reads = host.fake.reads
+        for i in range(20):  # what LoadUnit of 20 names does: UnitNew, then UnitRemoved
+            host.fake.on_unit_new(f"loaded-{i}.service")
+            host.fake.on_unit_removed(f"loaded-{i}.service")
+            host.fake.on_unit_removed(f"other-{i}.scope")
+            await asyncio.sleep(0.06)  # spread out: each would be a check of its own
+        await asyncio.sleep(0.3)
+        assert host.fake.reads - reads <= 20, host.fake.reads - reads  # was 40 per signal
+        assert len(svc.ledger.allocations) == 40
+        host.fake.kill_processes("cpuservice-shared-l0.slice")
+        await asyncio.sleep(0.5)
+        assert "l0" not in svc.ledger.allocations and len(svc.ledger.allocations) == 39
+    run(body)
+
+
 # ---- 14. confine_host off ---------------------------------------------------------------------
 
 
