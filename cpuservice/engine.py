@@ -170,6 +170,7 @@ class Engine:
         the machine as it is now, when it changed (hotplug, Revalidate)."""
         check_invariants(new.ledger)
         old, old_topology = self.state, self.topology
+        memo = self.targets.memo()  # a failed change leaves no spec of its own behind
         changed = self.targets.changed(old, new, touched)
         if checkpoint_first:
             self.store.save(new, changed)
@@ -187,6 +188,7 @@ class Engine:
         except Exception as exc:
             log.error("applying a change failed, rolling back: %s", exc)
             self.topology = old_topology
+            self.targets.restore(memo)
             if sync or not (isinstance(exc, reconcile.Failed) and exc.clean):
                 try:
                     await self.sync(old)
@@ -202,6 +204,7 @@ class Engine:
             raise SystemdFailure(f"systemd failed: {cause}") from None
         except BaseException:
             self.topology = old_topology
+            self.targets.restore(memo)
             raise
         self.state = new
         before_partitions = dict(self.partition_states)

@@ -105,6 +105,16 @@ class Targets:
             names |= self._followers & new.ledger.allocations.keys()
         return names
 
+    def memo(self) -> tuple[dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]],
+                            set[str]]:
+        """What restore() puts back: the specs known and the followers, as they are now."""
+        return dict(self._cache), set(self._followers)
+
+    def restore(self, memo: tuple[dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]],
+                                  set[str]]) -> None:
+        """Back to memo(): a change systemd did not accept leaves nothing of itself here."""
+        self._cache, self._followers = dict(memo[0]), set(memo[1])
+
     def forget(self, name: str) -> None:
         self._cache.pop(name, None)
         self._followers.discard(name)

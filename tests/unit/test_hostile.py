@@ -16,7 +16,7 @@ from cpuservice import config as config_mod
 from cpuservice.checkpoint import Store
 from cpuservice.ctl import printable
 from cpuservice.dbuscall import NameOwner
-from cpuservice.errors import InvalidArgument, LimitExceeded, NoSuchAllocation
+from cpuservice.errors import InvalidArgument, LimitExceeded, NoSuchAllocation, SystemdFailure
 from cpuservice.recovery import CONFINED_MARK
 from cpuservice.systemd import Systemd
 from tests.unit.fake_systemd import CONFINED, Crash, Unit
@@ -446,6 +446,33 @@ def test_signals_about_other_units_do_not_amplify(tmp_path: Path) -> None:
         host.fake.kill_processes("cpuservice-shared-l0.slice")
         await asyncio.sleep(0.5)
         assert "l0" not in svc.ledger.allocations and len(svc.ledger.allocations) == 39
+    run(body)
+
+
+def test_a_failed_change_leaves_no_spec_behind(tmp_path: Path) -> None:
+    """Issue 25 item 13: a failed commit left its specs in the Targets cache (and its view of
+    which units follow the shared pool), so the next change was computed against something
+    systemd never accepted. Here a degraded allocation (on the shared pool, a follower) is to
+    get its CPU back when systemd fails; the next Allocate shrinks the shared pool, and the
+    degraded allocation's slice must shrink with it."""
+    async def body() -> None:
+        host = Host(tmp_path, min_shared_cpus=2)
+        svc = await host.service()
+        await svc.allocate("x", "1", BIND, 0)
+        cpu = svc.ledger.allocations["x"].whole.first()
+        await svc.allocate("fill", str(len(svc.ledger.shared) - 2), BIND, 0)
+        host.offline({cpu})
+        await svc.revalidate()
+        assert not svc.ledger.allocations["x"].held  # degraded: runs on the shared pool
+        await svc.release("fill")  # room again; x waits for its CPU
+        host.offline(set())
+        host.fake.fail_at(1)
+        with pytest.raises(SystemdFailure):
+            await svc.revalidate(full=False)  # as after a hotplug event: no sync on rollback
+        host.fake.fail_at(10**6)
+        assert not svc.ledger.allocations["x"].held
+        await svc.allocate("y", "4", BIND, 0)  # the shared pool shrinks
+        agree(svc, host.fake)
     run(body)
 
 
