@@ -20,6 +20,9 @@ Revalidate and hotplug repair. The ordering rule, stated once:
     An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
     a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
     Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
+Undo obeys the same rule: each operation's undo writes what the unit held just before that
+operation (not before the whole change), so undoing newest first passes back through the
+states doing went through; undoing the adoption of a foreign unit is a restore.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class Op:
     props: Props = field(default_factory=dict)
     undo_props: Props = field(default_factory=dict)
     forget: tuple[str, ...] = ()
+    adopt: bool = False  # a SET that makes a foreign unit cpuservice's: undone by a RESTORE
 
     def __str__(self) -> str:
         return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
@@ -123,6 +127,13 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     units are otherwise allowed to share CPUs (the shared pool, fragment CPUs)."""
     ops: list[Op] = []
     holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
+    # what each unit holds just before each step: an operation's undo writes back these values,
+    # not the ones from before the whole change, so that undoing in reverse passes through the
+    # same states as doing (and keeps the ordering rule)
+    now: dict[str, UnitSpec] = dict(before)
+
+    def shrunk(unit: str, keep: CPUSet) -> None:
+        now[unit] = replace(now[unit], props={**now[unit].props, CPUS: _mask(keep)})
 
     # 0. partitions that end, alone, before any CPU moves
     ending: dict[str, UnitSpec] = {}
@@ -132,6 +143,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
             ops.append(Op(Kind.SET, unit, {PARTITION: gets}, {PARTITION: had}))
             ending[unit] = replace(before[unit], props={**before[unit].props, PARTITION: gets})
     before = {**before, **ending}
+    now.update(ending)
 
     # 1. shrink: every unit kept loses what it does not keep
     for unit in sorted(before.keys() & after.keys()):
@@ -142,10 +154,11 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
         if keep:
             ops.append(Op(Kind.SET, unit, {CPUS: _mask(keep)}, {CPUS: _mask(was)}))
             holding[unit] = keep
+            shrunk(unit, keep)
 
     # 2. units that are no longer ours
     for unit in sorted(before.keys() - after.keys()):
-        spec = before[unit]
+        spec = now[unit]
         if spec.own:
             ops.append(Op(Kind.STOP, unit, {}, spec.props))
         else:
@@ -164,7 +177,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
             ready = list(pending)
         for unit in ready:
             pending.remove(unit)
-            ops.extend(_final(unit, before.get(unit), after[unit]))
+            ops.extend(_final(unit, now.get(unit), after[unit]))
             will = after[unit].cpus
             if will is None:
                 holding.pop(unit, None)
@@ -184,7 +197,7 @@ def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:
     if before is None:
         if after.own:
             return [Op(Kind.START, unit, after.props)]
-        return [Op(Kind.SET, unit, after.props, after.restore)]
+        return [Op(Kind.SET, unit, after.props, after.restore, after.forget, adopt=True)]
     if before.own != after.own:
         stop_or_restore = (Op(Kind.STOP, unit, {}, before.props) if before.own
                            else Op(Kind.RESTORE, unit, before.restore, before.props,
@@ -233,6 +246,8 @@ def inverse(op: Op) -> Op | None:
         return Op(Kind.STOP, op.unit)
     if op.kind is Kind.STOP:
         return Op(Kind.START, op.unit, op.undo_props) if op.undo_props else None
+    if op.adopt:  # the unit goes back to its owner: its own values, its overrides removed
+        return Op(Kind.RESTORE, op.unit, op.undo_props, forget=op.forget)
     return Op(Kind.SET, op.unit, op.undo_props) if op.undo_props else None
 
 
