@@ -16,10 +16,11 @@ from decimal import Decimal
 from typing import Any
 
 from . import journal, partitions, placement, recovery, units
-from .checkpoint import Record, State
+from .checkpoint import CheckpointWriteError, Record, State
 from .engine import UNIT_IFACE, Engine, Events, cgroup_iface
 from .errors import (
     AllocationExists,
+    CPUServiceError,
     InvalidArgument,
     LimitExceeded,
     NoSuchAllocation,
@@ -51,6 +52,7 @@ class Service:
         # an allocation's identity, beyond its name: a caller authorized for one allocation
         # must not act on another that took its name meanwhile
         self._serials: dict[str, int] = {}
+        self._releasing: set[str] = set()  # own slices being stopped before their release
         self._next_serial = itertools.count(1)
         self._partition_watch: asyncio.Task[None] | None = None
         self._reset: dict[str, partitions.State | None] = {}  # partitions set again, and why
@@ -99,6 +101,12 @@ class Service:
         """The identity of the allocation called ``name`` now (NoSuchAllocation if none)."""
         self.allocation(name)
         return self._serials.setdefault(name, next(self._next_serial))
+
+    def _not_releasing(self, name: str) -> None:
+        """Under the lock: refuse a call about an allocation whose slice is being stopped."""
+        if name in self._releasing:
+            raise InvalidArgument(f"allocation {name!r} is being released (its processes are "
+                                  "stopping)")
 
     def _same(self, name: str, serial: int | None) -> None:
         """Under the lock: ``name`` is still the allocation the caller was authorized for."""
@@ -260,7 +268,28 @@ class Service:
 
     async def release(self, name: str, reason: str = "released",
                       serial: int | None = None) -> None:
-        """``serial``: act only if ``name`` is still that allocation (see serial())."""
+        """``serial``: act only if ``name`` is still that allocation (see serial()).
+
+        An allocation's own slice is stopped first, without the lock: systemd may take up to
+        its stop timeout (90 s for a process that ignores SIGTERM) and nobody else waits for
+        that. Meanwhile the allocation keeps its CPUs in the ledger (so no one else is placed
+        on CPUs its processes may still run on) and other calls about it are refused; then the
+        release is committed as usual (its slice is gone: the stop step is instant)."""
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            serial = self.serial(name)
+            record = self.record(name)
+            if own_slice(record):
+                self._releasing.add(name)
+        stopped = name in self._releasing
+        if stopped:
+            try:
+                if self.engine.store.write_error:  # the release could not be recorded
+                    raise CheckpointWriteError(self.engine.store.write_error)
+                await self.systemd.stop(record.unit)
+            finally:
+                self._releasing.discard(name)
         async with self.lock:
             self._same(name, serial)
             old = self.state
@@ -268,8 +297,17 @@ class Service:
             records = dict(self.state.records)
             record = records.pop(name, Record())
             # a foreign unit's saved values leave the checkpoint only once systemd has them back
-            await self.engine.commit(State(ledger, records), {name},
-                                     checkpoint_first=own_slice(record))
+            try:
+                await self.engine.commit(State(ledger, records), {name},
+                                         checkpoint_first=own_slice(record))
+            except CPUServiceError:
+                if stopped:  # the allocation stays: its slice comes back (empty), as recorded
+                    try:
+                        await self.engine.sync(self.state)
+                    except CPUServiceError as exc:
+                        log.error("cannot start %s again after a failed release: %s",
+                                  record.unit, exc)
+                raise
             self.audit(Kind.RELEASED, old, name, reason)
             self._serials.pop(name, None)
             await self.lifetime.unwatch(name)
@@ -279,6 +317,7 @@ class Service:
         amount = parse_amount(cpus)
         async with self.lock:
             self._same(name, serial)
+            self._not_releasing(name)
             old = self.allocation(name)
             if partition_of(old) != partitions.NONE and amount != int(amount):
                 raise InvalidArgument(
@@ -297,6 +336,7 @@ class Service:
         """Move running processes into a new transient scope in the allocation's slice."""
         async with self.lock:
             self._same(name, serial)
+            self._not_releasing(name)
             allocation = self.allocation(name)
             record = self.record(name)
             own = units.slice_name(name, allocation.bound, partition_of(allocation))

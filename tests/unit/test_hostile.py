@@ -476,6 +476,43 @@ def test_a_failed_change_leaves_no_spec_behind(tmp_path: Path) -> None:
     run(body)
 
 
+def test_a_slow_stop_holds_nobody_else(tmp_path: Path) -> None:
+    """Issue 25 item 5: Release held the one lock while systemd stopped the slice, so a
+    process that ignores SIGTERM made every other user and every hotplug repair wait 90 s.
+    Now the slice is stopped without the lock: others are served meanwhile, the released
+    allocation keeps its CPUs until its slice is gone (nobody is placed on them), calls about
+    it are refused with a named error, and then it is released as usual."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("slow", "2", BIND, 0)
+        held = svc.ledger.allocations["slow"].whole
+        gate = asyncio.Event()
+        real_stop = host.fake.stop
+
+        async def stop(unit: str) -> None:
+            if unit == "cpuservice-bound-slow.slice":
+                await gate.wait()  # its processes ignore SIGTERM
+            await real_stop(unit)
+
+        host.fake.stop = stop  # type: ignore[method-assign]
+        releasing = asyncio.create_task(svc.release("slow"))
+        await asyncio.sleep(0.05)
+        began = asyncio.get_running_loop().time()
+        other = await asyncio.wait_for(svc.allocate("other", "2", BIND, 0), 2)
+        assert not other.whole & held  # not on the CPUs the slow slice's processes still use
+        await asyncio.wait_for(svc.revalidate(), 2)
+        with pytest.raises(InvalidArgument, match="being released"):
+            await svc.resize("slow", "3")
+        assert asyncio.get_running_loop().time() - began < 1.0
+        assert "slow" in svc.ledger.allocations and not releasing.done()
+        gate.set()
+        await asyncio.wait_for(releasing, 2)
+        assert "slow" not in svc.ledger.allocations
+        agree(svc, host.fake)
+    run(body)
+
+
 # ---- 14. confine_host off ---------------------------------------------------------------------
 
 
