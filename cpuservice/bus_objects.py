@@ -17,8 +17,8 @@ from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAcce
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method
 
-from . import views
-from .errors import CPUServiceError
+from . import cpuset, views
+from .errors import CPUServiceError, InvalidArgument
 
 if TYPE_CHECKING:
     from .bus_api import Manager
@@ -35,11 +35,47 @@ current_call: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+# What one call may carry, checked before any work (a 31 MB option map stalled the daemon):
+MAX_MAP_ENTRIES = 64  # an option map (a{sv}) has 11 known keys
+MAX_LIST_ITEMS = 4096  # an array (Attach's PIDs: at most 256 distinct)
+MAX_TEXT = cpuset.MAX_TEXT  # a string (the longest cpu list a request may name)
+
+
+def _oversized(value: Any) -> str | None:
+    """Why an argument exceeds the bounds above, or None (one level into maps and arrays)."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters (at most {MAX_TEXT})" \
+            if len(value) > MAX_TEXT else None
+    if isinstance(value, dict):
+        if len(value) > MAX_MAP_ENTRIES:
+            return f"a map of {len(value)} entries (at most {MAX_MAP_ENTRIES})"
+        for key, item in value.items():
+            inner = item.value if isinstance(item, Variant) else item
+            if (why := _oversized(key) or (
+                    _oversized(inner) if isinstance(inner, str | bytes | list) else None)):
+                return why
+        return None
+    if isinstance(value, list | bytes):
+        if len(value) > MAX_LIST_ITEMS:
+            return f"an array of {len(value)} items (at most {MAX_LIST_ITEMS})"
+        return None
+    return None
+
+
 def capture_sender(msg: Message) -> bool:
-    """Message handler that remembers who is calling (exported methods are not told)."""
+    """Message handler that remembers who is calling (exported methods are not told), and
+    refuses a call to cpuservice whose arguments exceed the bounds above before any work
+    (InvalidArgument)."""
     if msg.message_type == MessageType.METHOD_CALL:
         interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
         current_call.set((msg.sender or "", interactive))
+        if (msg.path or "").startswith(PATH):
+            for arg in msg.body:
+                if isinstance(arg, Variant):  # Properties.Set
+                    arg = arg.value
+                if why := _oversized(arg):
+                    raise DBusError(InvalidArgument.dbus_name,
+                                    f"{msg.member}: an argument is too large: {why}")
     return False
 
 
