@@ -17,6 +17,7 @@ from typing import Any
 
 from . import journal, partitions, placement, recovery, units
 from .checkpoint import CheckpointWriteError, Record, State
+from .cpuset import CPUSet
 from .engine import UNIT_IFACE, Engine, Events, cgroup_iface
 from .errors import (
     AllocationExists,
@@ -114,23 +115,29 @@ class Service:
             raise NoSuchAllocation(f"allocation {name!r} was released and allocated again "
                                    "meanwhile; ask again")
 
-    def check_limits(self, owner: int, name: str, request: Request) -> None:
-        """Per-user limits of an unprivileged owner (LimitExceeded), counting what ``owner``
-        holds besides ``name`` plus ``request``."""
+    def check_limits(self, owner: int, name: str, ledger: Ledger) -> None:
+        """Per-user limits of an unprivileged owner (LimitExceeded), on ``ledger`` as it would
+        be after the change, in which ``name`` is the owner's. What an allocation costs is what
+        it takes from the host: a bound one the CPUs it takes out of the shared pool (its whole
+        CPUs and its fragment CPU: 0.51 costs a CPU), an unbound one its amount (its CPUQuota
+        and CPUWeight follow it). A CPU several of the owner's allocations share counts once."""
         cfg = self.config
-        mine = [a for n, a in self.ledger.allocations.items()
-                if n != name and self.record(n).owner == owner]
-        if cfg.max_allocations_per_user and len(mine) + 1 > cfg.max_allocations_per_user:
-            raise LimitExceeded(f"user {owner} has {len(mine)} allocations; the limit is "
+        records = self.state.records
+        mine = [a for n, a in ledger.allocations.items()
+                if n == name or (n in records and records[n].owner == owner)]
+        if cfg.max_allocations_per_user and len(mine) > cfg.max_allocations_per_user:
+            raise LimitExceeded(f"user {owner} has {len(mine) - 1} allocations; the limit is "
                                 f"max_allocations_per_user={cfg.max_allocations_per_user}")
-        limit = cfg.cpu_limit(len(self.ledger.online))
-        if limit is None or not request.options.bind:
+        limit = cfg.cpu_limit(len(ledger.online))
+        if limit is None:
             return
-        held = sum((a.request.cpus for a in mine if a.bound), Decimal(0))
-        if held + request.cpus > limit:
+        bound = len(CPUSet.union_all(a.held for a in mine if a.bound))
+        unbound = sum((a.request.cpus for a in mine if not a.bound), Decimal(0))
+        if bound + unbound > limit:
             raise LimitExceeded(
-                f"user {owner} holds {held} bound CPUs and asks for {request.cpus}; the limit "
-                f"is max_cpus_per_user={cfg.max_cpus_per_user} ({limit.normalize()} CPUs)")
+                f"user {owner} would hold {bound} CPUs taken from the shared pool and "
+                f"{unbound.normalize()} unbound; the limit is "
+                f"max_cpus_per_user={cfg.max_cpus_per_user} ({limit.normalize()} CPUs)")
 
     def placement_of(self, name: str) -> Placement:
         return placement.describe(self.topology, self.ledger, self.allocation(name))
@@ -227,10 +234,10 @@ class Service:
         async with self.lock:
             if name in self.ledger.allocations:
                 raise AllocationExists(f"allocation {name!r} already exists")
-            if limited:
-                self.check_limits(owner, name, request)
             unit, saved, fresh = await self._target_unit(name, request)
             ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
+            if limited:
+                self.check_limits(owner, name, ledger)
             record = Record(owner, unit, saved, fresh=fresh)
             await self.engine.commit(State(ledger, {**self.state.records, name: record}), {name})
             self.audit(Kind.ALLOCATED, self.state, name)
@@ -323,10 +330,9 @@ class Service:
                 raise InvalidArgument(
                     f"allocation {name!r} is a {partition_of(old)} partition: it needs a whole "
                     f"number of CPUs, not {cpus}")
-            if limited and amount > old.request.cpus:
-                self.check_limits(self.record(name).owner, name,
-                                  Request.build(amount, old.request.options))
             ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
+            if limited and amount > old.request.cpus:
+                self.check_limits(self.record(name).owner, name, ledger)
             await self.engine.commit(State(ledger, self.state.records), {name},
                                      {name: f"resized to {amount}"})
             self.audit(Kind.RESIZED, self.state, name, f"from {old.request.cpus} CPUs")

@@ -17,8 +17,8 @@ def test_per_user_limits_for_an_unprivileged_user(granted: ServiceHost) -> None:
     over = as_nobody(daemon, "Allocate", "ssa{sv}", "n2", "2", "1", "bind", "b", "true")
     assert isinstance(over, BusctlError) and "max_cpus_per_user" in over.text
     assert isinstance(as_nobody(daemon, "Resize", "ss", "n1", "5"), BusctlError)
-    for name in ("n2", "n3"):
-        assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", name, "1", "0"),
+    for name in ("n2", "n3"):  # unbound amounts count too: 3 + 0.5 + 0.5 = 4
+        assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", name, "0.5", "0"),
                               BusctlError)
     over = as_nobody(daemon, "Allocate", "ssa{sv}", "n4", "1", "0")
     assert isinstance(over, BusctlError) and "max_allocations_per_user=3" in over.text

@@ -80,12 +80,41 @@ def test_per_user_limits(tmp_path: Path) -> None:
         await svc.allocate("b", "2", BIND, 1000, limited=True)
         with pytest.raises(LimitExceeded, match="max_cpus_per_user"):
             await svc.resize("b", "3", svc.serial("b"), limited=True)
-        await svc.allocate("u", "4", {}, 1000, limited=True)  # unbound: counts as one
+        with pytest.raises(LimitExceeded, match="4 unbound"):  # unbound: its amount counts
+            await svc.allocate("u", "4", {}, 1000, limited=True)
+        await svc.release("b")
+        await svc.allocate("u", "1", {}, 1000, limited=True)
+        await svc.allocate("v", "0.5", {}, 1000, limited=True)
         with pytest.raises(LimitExceeded, match="max_allocations_per_user=3"):
-            await svc.allocate("d", "1", {}, 1000, limited=True)
+            await svc.allocate("d", "0.1", {}, 1000, limited=True)
         await svc.allocate("d", "1", {}, 1001, limited=True)  # another user
         await svc.allocate("e", "1", BIND, 1000)  # exempt (root or manage)
-        assert sorted(svc.ledger.allocations) == ["a", "b", "d", "e", "u"]
+        assert sorted(svc.ledger.allocations) == ["a", "d", "e", "u", "v"]
+        agree(svc, host.fake)
+    run(body)
+
+
+def test_fractions_count_the_cpus_they_take_from_the_shared_pool(tmp_path: Path) -> None:
+    """Issue 25 item 2: the limit counted "0.51" as 0.51, but each such allocation takes a
+    fragment CPU of its own out of the shared pool: one user took 15 of 16 CPUs under a limit of
+    50 %, leaving the host one. Now it takes 8 (the limit), and fractions that share a fragment
+    CPU count it once."""
+    async def body() -> None:
+        host = Host(tmp_path, max_allocations_per_user=0, min_shared_cpus=1)
+        svc = await host.service()
+        got = 0
+        for i in range(15):
+            try:
+                await svc.allocate(f"f{i}", "0.51", BIND, 1000, limited=True)
+                got += 1
+            except LimitExceeded:
+                break
+        assert got == 8 and len(svc.ledger.shared) == 8
+        for i in range(8):
+            await svc.release(f"f{i}")
+        for i in range(10):  # 0.1 each: they share one fragment CPU, which counts once
+            await svc.allocate(f"s{i}", "0.1", BIND, 1000, limited=True)
+        assert len({a.fragment.cpu for a in svc.ledger.allocations.values() if a.fragment}) == 1
         agree(svc, host.fake)
     run(body)
 
