@@ -7,6 +7,7 @@ Prints:
     churn seed=<n> policy=<p> allocs=<n> success=<f> numa_avoidable_spans=<n> \
 smt_split_full_pcpus=<n> mean_fragmented_cores=<f> half_cores_while_whole_free=<n> median_us=<f>
     capacity_worst_us cpus=1024 <float>
+    capacity_worst_us cpus=1024 isolated=64 <float>
 
 The churn line comes per seed for each policy and for all of them (policy=all). The workload:
 fixture c (2 x 32 cores x 2 threads, 4 NUMA nodes, L3 per 8 cores), core 0 reserved, packed,
@@ -292,7 +293,8 @@ def _busy(topology: Topology, granularity: int, allocations: int) -> Ledger:
     """About ``allocations`` allocations (a fifth unbound, small fractions, one or two CPUs)
     leaving most of the machine free, which is what makes capacity count long."""
     rng = random.Random(SEED)
-    ledger = Ledger(topology.online, granularity=granularity)
+    ledger = Ledger(topology.online, isolated=topology.isolated & topology.online,
+                    granularity=granularity)
     for i in range(allocations):
         amount = rng.choice(("0.05", "0.1", "0.25", "0.5", "1", "2"))
         request = Request.parse(amount, {"bind": rng.random() < 0.8})
@@ -301,10 +303,21 @@ def _busy(topology: Topology, granularity: int, allocations: int) -> Ledger:
     return ledger
 
 
-def capacity_worst_us(topology: Topology, allocations: int, rounds: int = 3) -> float:
+def _with_isolated(ledger: Ledger, count: int) -> Ledger:
+    """``ledger`` with the last ``count`` free shared CPUs made kernel-isolated."""
+    if not count:
+        return ledger
+    isolated = CPUSet(ledger.shared.sorted()[-count:])
+    return Ledger(ledger.online, ledger.reserved, isolated, ledger.granularity,
+                  ledger.min_shared_cpus, ledger.allocations)
+
+
+def capacity_worst_us(topology: Topology, allocations: int, rounds: int = 3,
+                      isolated: int = 0) -> float:
     """The slowest of CAPACITY_SHAPES (each the median of ``rounds`` calls) with about
-    ``allocations`` allocations present."""
-    ledgers = {g: _busy(topology, g, allocations) for g in (100, 1000)}
+    ``allocations`` allocations present; ``isolated``: that many of the free CPUs are
+    kernel-isolated (isolcpus=) and still free, which bound allocations take first."""
+    ledgers = {g: _with_isolated(_busy(topology, g, allocations), isolated) for g in (100, 1000)}
     worst = 0.0
     for cpus, options, granularity in CAPACITY_SHAPES:
         request = Request.parse(cpus, {"bind": True, **options})
@@ -336,6 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             print(tally.line(seed, policy), flush=True)
     if not args.churn_only:
         print(f"capacity_worst_us cpus=1024 {capacity_worst_us(t1024, 1000):.1f}", flush=True)
+        print(f"capacity_worst_us cpus=1024 isolated=64 "
+              f"{capacity_worst_us(t1024, 1000, isolated=64):.1f}", flush=True)
     return 0
 
 

@@ -32,6 +32,7 @@ from itertools import combinations
 from math import comb, gcd
 from types import MappingProxyType
 
+from .cpuset import EMPTY as EMPTY_SET
 from .cpuset import CPUSet
 from .errors import AllocationExists, InsufficientCPUs, InvalidArgument, NoSuchAllocation
 from .pools import Allocation, Fragment, Ledger
@@ -208,9 +209,9 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
     pieces = int(request.fraction * ledger.granularity)
     if request.whole == 0:
         return _fragment_capacity(ledger, pieces)
-    if ledger.free_isolated:  # isolated CPUs first (take_whole): replayed, at most free / X
-        return _replay(topology, ledger, request)
-    if not pieces and request.options.exclusive != Exclusive.NUMA:
+    # free isolated CPUs are taken first (take_whole): which ones each allocation takes
+    # decides what is left, so the closed form waits until _Simulation has used them up
+    if not pieces and request.options.exclusive != Exclusive.NUMA and not ledger.free_isolated:
         opts = request.options
         cands = candidates(topology, ledger, opts, opts.exclusive)
         node_of = topology.levels[1]
@@ -283,7 +284,7 @@ def _unit_capacity(
     tpc = topology.threads_per_core
     core_of = topology.levels[3]
     if isolated and budget < shared:
-        if n == 1 and avoid == Exclusive.NONE:
+        if n == 1 and avoid == Exclusive.NONE and opts.policy != Policy.FULL_PCPUS:
             return budget + isolated
         return None
     per = n
@@ -519,8 +520,10 @@ class _Simulation:
             self._takeable[cell] = self.free.get(cell, set()) | iso if self._budget() else set(iso)
         return self._takeable[cell]
 
-    def _candidates(self, cell: Cell, avoid: str) -> set[int]:
-        """candidates() in a cell (whole cores lie in one cell)."""
+    def _candidates(self, cell: Cell, key: str) -> set[int]:
+        """candidates() in a cell (whole cores lie in one cell); ``key`` is ``avoid``, or
+        ``avoid/iso`` or ``avoid/shared`` for the isolated candidates or the others."""
+        avoid, _, subset = key.partition("/")
         free = self._takeable_in(cell)
         if avoid == Exclusive.NUMA and cell[0] in self.used_nodes:
             free = set()
@@ -532,6 +535,9 @@ class _Simulation:
             for c in free:
                 counts[core_of[c]] = counts.get(core_of[c], 0) + 1
             free = {c for c in free if counts[core_of[c]] == size[core_of[c]]}
+        if subset:
+            iso = self.isolated
+            free = {c for c in free if (c in iso) == (subset == "iso")}
         return free
 
     def _view(self, avoid: str) -> tuple[dict[Cell, set[int]], dict[int, int]]:
@@ -586,42 +592,60 @@ class _Simulation:
             if avoid == Exclusive.NUMA and self.numa_failed:
                 continue
             try:
-                return self._take_in_nodes(avoid)
+                return self._isolated_first(avoid)
             except InsufficientCPUs as exc:
                 error = exc
                 self.numa_failed = self.numa_failed or avoid == Exclusive.NUMA
         raise error
 
-    def _take_in_nodes(self, avoid: str) -> list[int]:
-        n, opts, topology = self.n, self.opts, self.topology
-        cands, counts = self._view(avoid)
+    def _isolated_first(self, avoid: str) -> list[int]:
+        """_isolated_first of take_whole, on the views of the isolated candidates
+        (``avoid/iso``) and of the others (``avoid/shared``)."""
+        n, opts = self.n, self.opts
+        iso_view, iso_counts = self._view(f"{avoid}/iso")
+        n_iso = sum(iso_counts.values())
+        if n_iso and n_iso >= n:
+            with contextlib.suppress(InsufficientCPUs):
+                return self._take_in_nodes(f"{avoid}/iso", n)
+        got = self._take_in_nodes(avoid, n)
+        if (n_iso and n_iso < n and sum(c not in self.isolated for c in got) > self._budget()
+                and opts.numa_alignment not in _STRICT_ALIGNMENT):
+            iso = sorted(c for cs in iso_view.values() for c in cs)
+            return iso + self._take_in_nodes(f"{avoid}/shared", n - n_iso, CPUSet(iso))
+        return got
+
+    def _take_in_nodes(self, key: str, n: int, anchor: CPUSet = EMPTY_SET) -> list[int]:
+        """_take_in_nodes of n CPUs from the view ``key`` (see _view), near ``anchor``."""
+        opts, topology = self.opts, self.topology
+        cands, counts = self._view(key)
+        near = anchor.ids
         if sum(counts.values()) < n:
             raise InsufficientCPUs(f"{n} CPUs requested but fewer are available")
         if opts.numa_alignment != NumaAlignment.NONE and len(topology.nodes) > 1:
-            nodes = _nodes_for(topology, self.ledger, counts, n, opts, CPUSet())
+            nodes = _nodes_for(topology, self.ledger, counts, n, opts, anchor)
             if opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(nodes) > 1:
                 out: list[int] = []
                 quotas = _quotas(topology, [counts[x] for x in nodes], n, opts.policy)
                 for x, quota in zip(nodes, quotas, strict=False):
                     inside = [c for cell in self.cells_in[x] for c in cands[cell]]
-                    out += _pick(topology, inside, quota, frozenset(out), opts.policy,
+                    out += _pick(topology, inside, quota, near | frozenset(out), opts.policy,
                                  self._shy)
                 return out
             counts = {x: counts[x] for x in nodes}
-        if opts.policy == Policy.SPREAD_PCPUS:
-            return self._spread(avoid, cands, counts)
-        if topology.threads_per_core == 1:
-            return self._walk(cands, counts, n)
+        if not near:  # the walks on counts assume nothing near
+            if opts.policy == Policy.SPREAD_PCPUS:
+                return self._spread(key, cands, counts, n)
+            if topology.threads_per_core == 1:
+                return self._walk(cands, counts, n)
         everything = [c for x in counts for cell in self.cells_in[x] for c in cands[cell]]
-        return _pick(topology, everything, n, frozenset(), opts.policy, self._shy)
+        return _pick(topology, everything, n, near, opts.policy, self._shy)
 
     def _spread(self, avoid: str, cands: Mapping[Cell, Collection[int]],
-                counts: Mapping[int, int]) -> list[int]:
+                counts: Mapping[int, int], n: int) -> list[int]:
         """_pick for spread-pcpus over the candidates of the nodes in ``counts``: its first
         _take (over one thread of each partly free core spread-pcpus uses, or when there is
         none, of each wholly free core, or else of each other partly free core) walked on counts
         when it takes all n; otherwise _pick itself."""
-        n = self.n
         primaries = {cell: self._primaries(cell, avoid, cands[cell])
                      for x in counts for cell in self.cells_in[x] if cands[cell]}
         for i in (0, 1, 2):
