@@ -150,17 +150,20 @@ def test_repair_replaces_a_lost_thread_with_a_loose_one(machine) -> None:
     assert x.whole == a.whole - CPUSet([lost]) | CPUSet([65]) and not x.degraded
 
 
+def _only_free(full: Topology, offline: int, node: str, free: str) -> tuple[Topology, Ledger]:
+    """``full`` with CPU ``offline`` offline and, of ``node``'s CPUs, only ``free`` free."""
+    t = full.with_online(full.online - CPUSet([offline]))
+    held = CPUSet.parse(node) - CPUSet.parse(free) - CPUSet([offline])
+    return t, _pinned(t, ledger_for(t), held.format())
+
+
 def test_packed_takes_a_one_thread_core_before_a_second_lone_thread(machine) -> None:
     """Regression (issue 23, found by hypothesis on a fresh machine): 10 packed CPUs in node 1
     of fixture c, where only three cores are wholly free, core 28 has one thread online (92 is
     offline) and four cores have one free thread. The engine took the three cores and four loose
     threads, leaving core 28 untaken. Whole cores of any size come first for the even part: the
     three cores, core 28, then three loose threads for what no whole core is left to make up."""
-    full = machine("c")
-    t = full.with_online(full.online - CPUSet([92]))
-    free = CPUSet.parse("16,18,27,80,82,91,81,88,89,95,28")
-    ledger = _pinned(t, ledger_for(t), (CPUSet.parse("16-31,80-95") - free - CPUSet([92]))
-                     .format())
+    t, ledger = _only_free(machine("c"), 92, "16-31,80-95", "16,18,27,80,82,91,81,88,89,95,28")
     _, a = alloc(t, ledger, "x", bind("10"))
     assert CPUSet.parse("16,18,27,28,80,82,91") <= a.whole, a.whole
     assert len(_lone(t, a.whole)) == 3
@@ -171,11 +174,7 @@ def test_even_part_takes_whole_cores_before_loose_threads_in_the_chosen_node(mac
     (60-62), one core with its sibling offline (59 offline: core 59 = {123}) and two loose threads
     (48, 63): three cores, core 59 and one loose thread; the old engine took both loose threads
     and left core 59."""
-    full = machine("c")
-    t = full.with_online(full.online - CPUSet([59]))
-    free = CPUSet.parse("48,60-63,123-126")
-    ledger = _pinned(t, ledger_for(t), (CPUSet.parse("48-63,112-127") - free - CPUSet([59]))
-                     .format())
+    t, ledger = _only_free(machine("c"), 59, "48-63,112-127", "48,60-63,123-126")
     _, a = alloc(t, ledger, "x", bind("8"))
     assert CPUSet.parse("60-62,123-126") <= a.whole, a.whole
     assert len(_lone(t, a.whole)) == 1
