@@ -103,6 +103,10 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     service = assemble(cfg, systemd, Store(cfg.state_file),
                        Kernel(systemd, os.environ.get("RUNTIME_DIRECTORY", "/run/cpuservice")))
     debouncer.settled = lambda: service.revalidate(full=False)
+    # after a daemon-reload, what cpuservice set is asserted again (a persistent drop-in of an
+    # administrator, e.g. set-property system.slice AllowedCPUs=, may have masked it)
+    reloads = Debouncer(lambda: service.revalidate(full=True), delay=0.5)
+    systemd.on_reloaded = reloads.notify
     service.engine.audit = journal.Journal()
     loop = asyncio.get_running_loop()
     if monitor is not None:

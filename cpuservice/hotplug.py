@@ -55,8 +55,8 @@ class Debouncer:
             except Exception as exc:
                 wait = min(self.retry_max, self.retry * 2**failures)
                 failures += 1
-                log.error("repair after CPU hotplug failed (%s); trying again in %.1f s",
-                          exc, wait)
+                log.error("repair (after CPU hotplug or a daemon-reload) failed (%s); trying "
+                          "again in %.1f s", exc, wait)
                 await asyncio.sleep(wait)
                 continue
             if not self._again:

@@ -47,6 +47,9 @@ class Systemd:
         self.on_unit_removed: Callable[[str], None] = lambda unit: None
         self.on_unit_new: Callable[[str], None] = lambda unit: None
         self.on_unit_state: Callable[[str, str], None] = lambda path, state: None
+        # a daemon-reload finished: drop-ins were read again, and a persistent one of an
+        # administrator may now mask a runtime property cpuservice set (see daemon.serve)
+        self.on_reloaded: Callable[[], None] = lambda: None
         self.owner = dbuscall.NameOwner(bus, DEST)
 
     async def setup(self) -> None:
@@ -54,7 +57,7 @@ class Systemd:
         connection that owns org.freedesktop.systemd1 count (forged ones are dropped)."""
         await self.owner.follow()
         self.bus.add_message_handler(self._on_message)
-        for member in ("JobRemoved", "UnitRemoved", "UnitNew"):
+        for member in ("JobRemoved", "UnitRemoved", "UnitNew", "Reloading"):
             await self._bus_call("AddMatch", f"type='signal',sender='{DEST}',path='{PATH}',"
                                  f"interface='{MANAGER}',member='{member}'")
         await self.call("Subscribe")
@@ -94,6 +97,8 @@ class Systemd:
                 self.on_unit_removed(msg.body[0])
             elif msg.member == "UnitNew":
                 self.on_unit_new(msg.body[0])
+            elif msg.member == "Reloading" and msg.body and not msg.body[0]:
+                self.on_reloaded()
         elif msg.interface == PROPERTIES and msg.member == "PropertiesChanged" and msg.path:
             changed = msg.body[1]
             if "ActiveState" in changed:

@@ -152,3 +152,21 @@ def test_attach_with_an_impossible_pid_leaks_no_descriptor(granted: ServiceHost)
     assert fds() <= before + 1
     assert not isinstance(as_nobody(daemon, "Allocate", "ssa{sv}", "n2", "1", "0"), BusctlError)
     assert not isinstance(as_nobody(daemon, "Release", "s", "n2"), BusctlError)
+
+
+def test_a_daemon_reload_does_not_undo_the_confinement(daemon: ServiceHost) -> None:
+    """Issue 25, seen by the review: cpuservice sets AllowedCPUs at runtime; a persistent
+    `systemctl set-property system.slice AllowedCPUs=...` of an administrator masks that at the
+    next daemon-reload (every package upgrade runs one), and system.slice had its old CPUs back
+    until the next Revalidate. The daemon follows Reloading and asserts the shared pool again."""
+    daemon.configure("b", confine_host=True)
+    daemon.allocate("x", "4", bind=True)
+    shared = daemon.prop("SharedCPUs")
+    try:
+        daemon.c.run(["systemctl", "set-property", "system.slice", "AllowedCPUs=0-15"])
+        daemon.c.run(["systemctl", "daemon-reload"])
+        eventually(lambda: daemon.show("system.slice", "AllowedCPUs")["AllowedCPUs"] == shared,
+                   seconds=15)
+    finally:
+        daemon.c.run(["rm", "-rf", "/etc/systemd/system.control/system.slice.d"], check=False)
+        daemon.c.run(["systemctl", "daemon-reload"], check=False)

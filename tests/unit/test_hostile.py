@@ -62,6 +62,22 @@ def test_the_owner_follows_name_owner_changed() -> None:
     assert not owner.sent(_signal(":1.1", "UnitNew", ["a", "/a"], "so"))
 
 
+def test_a_finished_daemon_reload_is_followed_only_from_systemd() -> None:
+    """A daemon-reload may let an administrator's persistent drop-in mask what cpuservice set
+    at runtime: systemd's Reloading(false) leads to a Revalidate (daemon.serve), a forged one
+    from another sender to nothing."""
+    systemd = Systemd(bus=None)  # type: ignore[arg-type]
+    systemd.owner.unique = ":1.1"
+    reloads: list[int] = []
+    systemd.on_reloaded = lambda: reloads.append(1)
+    manager = "org.freedesktop.systemd1.Manager"
+    systemd._on_message(_signal(":1.1", "Reloading", [True], "b", interface=manager))
+    systemd._on_message(_signal(":1.66", "Reloading", [False], "b", interface=manager))
+    assert reloads == []
+    systemd._on_message(_signal(":1.1", "Reloading", [False], "b", interface=manager))
+    assert reloads == [1]
+
+
 def test_watch_prints_no_control_characters() -> None:
     assert printable("AllocationChanged \x1b[2J\x07x\ty") == \
         "AllocationChanged \\x1b[2J\\x07x\\ty"
