@@ -10,6 +10,9 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from dbus_fast import Variant
@@ -170,3 +173,31 @@ class PidHandles:
             os.close(fd)
             PidHandles._open -= 1
         self.fds.clear()
+
+
+class RateLimit:
+    """At most ``per_minute`` changes (Allocate, Resize, Release, Attach) per user in any 60
+    seconds; 0: no limit. Each change of an unprivileged user may rewrite every interrupt's
+    affinity (isolate_irqs) and the shared pool's slices: a loop must not churn the host.
+    take() raises BusyError, saying when the next change is possible."""
+
+    WINDOW = 60.0
+
+    def __init__(self, per_minute: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_minute = per_minute
+        self.clock = clock
+        self._times: dict[int, deque[float]] = {}
+
+    def take(self, uid: int) -> None:
+        if not self.per_minute:
+            return
+        now = self.clock()
+        times = self._times.setdefault(uid, deque())
+        while times and now - times[0] >= self.WINDOW:
+            times.popleft()
+        if len(times) >= self.per_minute:
+            wait = self.WINDOW - (now - times[0])
+            raise BusyError(f"user {uid} made {len(times)} changes in the last minute; the "
+                            f"limit is max_changes_per_user_per_minute={self.per_minute}; "
+                            f"try again in {wait:.0f} s")
+        times.append(now)

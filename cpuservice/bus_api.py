@@ -14,7 +14,16 @@ from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
 from . import __version__, dbuscall, journal
-from .authz import ALLOCATE, MANAGE, AccessDenied, Authority, BusyError, PidHandles, may_move
+from .authz import (
+    ALLOCATE,
+    MANAGE,
+    AccessDenied,
+    Authority,
+    BusyError,
+    PidHandles,
+    RateLimit,
+    may_move,
+)
 from .bus_objects import (
     ALLOCATION_SIGNATURES,
     BUS_NAME,
@@ -45,6 +54,7 @@ class Manager(ServiceInterface):
         self.authority = authority
         self.objects: dict[str, Allocation] = {}
         self._uids: OrderedDict[str, int] = OrderedDict()
+        self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         service.events = self
 
     def export_all(self) -> None:
@@ -75,6 +85,17 @@ class Manager(ServiceInterface):
         owner = self.service.record(name).owner
         uid = await self._caller_uid()
         return await self.authorize(ALLOCATE if owner == uid else MANAGE), serial
+
+    async def count_change(self, uid: int) -> None:
+        """One more change by ``uid`` (RateLimit); LimitExceeded past the limit, unless the
+        caller is exempt (root, manage)."""
+        if uid == 0:
+            return
+        try:
+            self.rate.take(uid)
+        except BusyError as exc:
+            if not await self.exempt(uid):
+                raise LimitExceeded(str(exc)) from None
 
     async def exempt(self, uid: int) -> bool:
         """Whether the per-user limits spare this caller: root, or a holder of manage
@@ -147,6 +168,7 @@ class Manager(ServiceInterface):
         admin = "cpuset" in options or "unit" in options or (
             partition is not None and getattr(partition, "value", None) != "none")
         owner = await self.authorize(MANAGE if admin else ALLOCATE)
+        await self.count_change(owner)
         opts = plain_options(options)
         try:
             await self.service.allocate(name, cpus, opts, owner, limited=not admin and owner != 0)
@@ -159,13 +181,15 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Release(self, name: "s") -> None:
-        _, serial = await self.authorize_for(name)
+        uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
         await self.service.release(name, serial=serial)
 
     @method()
     @boundary
     async def Resize(self, name: "s", cpus: "s") -> None:
         uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
         try:
             await self.service.resize(name, cpus, serial, limited=uid != 0)
         except LimitExceeded:
@@ -214,6 +238,7 @@ class Manager(ServiceInterface):
     @boundary
     async def Attach(self, name: "s", pids: "au") -> "s":
         uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
         try:
             handles = PidHandles(list(pids))
         except LookupError as exc:

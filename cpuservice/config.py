@@ -54,6 +54,8 @@ class Config(compat.StrictModel):
     max_allocations_per_user: conint(strict=True, ge=0) = 64  # type: ignore[valid-type]
     max_cpus_per_user: StrictStr = "50%"
     lifetime_grace_seconds: conint(strict=True, ge=1, le=86400) = 60  # type: ignore[valid-type]
+    max_changes_per_user_per_minute: conint(  # type: ignore[valid-type]
+        strict=True, ge=0, le=1_000_000) = 600
     metrics_file: StrictStr = "/var/lib/prometheus/node-exporter/cpuservice.prom"
     defaults: dict[str, Any] = Field(default_factory=dict)
 

@@ -146,6 +146,28 @@ def test_limit_config_is_checked() -> None:
         config_mod.validate({"min_shared_cpus": 0})
 
 
+def test_changes_per_user_are_rate_limited() -> None:
+    """Issue 25, seen by the review: a user looping Allocate/Release made the daemon rewrite
+    every interrupt's affinity each time. At most max_changes_per_user_per_minute changes per
+    user in any minute; the error says when to try again; others are not held back."""
+    now = [0.0]
+    rate = authz.RateLimit(3, clock=lambda: now[0])
+    for _ in range(3):
+        rate.take(1000)
+    with pytest.raises(authz.BusyError, match="try again in 60 s"):
+        rate.take(1000)
+    rate.take(1001)
+    now[0] = 59.0
+    with pytest.raises(authz.BusyError, match="try again in 1 s"):
+        rate.take(1000)
+    now[0] = 60.0
+    rate.take(1000)
+    unlimited = authz.RateLimit(0)
+    for _ in range(10_000):
+        unlimited.take(1000)
+    assert config_mod.validate({}).max_changes_per_user_per_minute == 600
+
+
 # ---- 5. Attach ----------------------------------------------------------------------------
 
 
