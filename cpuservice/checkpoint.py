@@ -61,7 +61,7 @@ def _prop_out(sig: str, value: Any) -> Any:
     return value.hex() if sig == "ay" else value
 
 
-def _prop_in(sig: str, value: Any) -> Any:
+def prop_in(sig: str, value: Any) -> Any:
     return bytes.fromhex(value) if sig == "ay" else int(value)
 
 
@@ -92,7 +92,7 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
             allocations[row["name"]] = Allocation(
                 row["name"], request, CPUSet.parse(row["whole"]), fragment, bool(row["degraded"])
             )
-            saved = {k: (sig, _prop_in(sig, v)) for k, (sig, v) in row["saved"].items()}
+            saved = {k: (sig, prop_in(sig, v)) for k, (sig, v) in row["saved"].items()}
             records[row["name"]] = Record(int(row["owner"]), str(row["unit"]), saved,
                                           bool(row["populated"]),
                                           tuple(str(n) for n in row.get("fresh", ())))

@@ -410,3 +410,26 @@ def test_a_full_disk_is_a_named_error_and_changes_nothing(tmp_path: Path, monkey
         assert set(again.ledger.allocations) == {"a", "c"}
         agree(again, host.fake)
     run(body)
+
+
+def test_foreign_units_are_restored_from_the_checkpoint_without_the_daemon(tmp_path: Path
+                                                                          ) -> None:
+    """Issue 25, seen by the review: removing the package while the daemon was down left
+    unit= allocations' units with cpuservice's values (their saved values are only in the
+    checkpoint). cpuservice.restore (debian prerm) gives them back from the checkpoint alone."""
+    from cpuservice.restore import restore
+
+    async def body() -> None:
+        host = Host(tmp_path)
+        host.fake.units["app.service"] = Unit("app.service", {"CPUWeight": 300})
+        svc = await host.service()
+        await svc.allocate("app", "2", {"bind": True, "unit": "app.service"}, 0)
+        await svc.allocate("own", "1", BIND, 0)
+        assert len(host.fake.cpus("app.service")) == 2
+        # the daemon is gone; its checkpoint stays
+        restored = await restore(Store(host.cfg.state_file), host.fake)
+        assert restored == ["app.service"]
+        assert host.fake.units["app.service"].props["CPUWeight"] == 300
+        assert not host.fake.cpus("app.service")
+        assert "cpuservice-bound-own.slice" in host.fake.units  # stopped by prerm, not here
+    run(body)
