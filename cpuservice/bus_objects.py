@@ -51,9 +51,10 @@ def _oversized(value: Any) -> str | None:
             return f"a map of {len(value)} entries (at most {MAX_MAP_ENTRIES})"
         for key, item in value.items():
             inner = item.value if isinstance(item, Variant) else item
-            if (why := _oversized(key) or (
-                    _oversized(inner) if isinstance(inner, str | bytes | list) else None)):
-                return why
+            if why := _oversized(key):
+                return f"a key: {why}"
+            if isinstance(inner, str | bytes | list) and (why := _oversized(inner)):
+                return f"{key!r}: {why}" if isinstance(key, str) and len(key) <= 64 else why
         return None
     if isinstance(value, list | bytes):
         if len(value) > MAX_LIST_ITEMS:
