@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
@@ -148,6 +148,9 @@ def check(full: Topology, pools: tuple[int, int, list[int]], steps: int, seed: i
 @pytest.mark.parametrize("name", ["a", "b", "c", "d", "lab"])
 @settings(max_examples=examples(120))
 @given(pools=POOLS, steps=STEPS, seed=SEED, drawn=SHAPE)
+# found by make test-explore (issue 25 item 7): on d, free isolated CPUs, one full-pcpus CPU:
+# the closed form's one-CPU shortcut counted every takeable CPU (9) where one fits
+@example(pools=(100, 1, []), steps=0, seed=0, drawn=(0, 0, {"policy": "full-pcpus"}, "bind", [0]))
 def test_capacity_is_repeated_allocate(machine, name: str, pools, steps, seed, drawn) -> None:
     check(machine(name), pools, steps, seed, drawn)
 
