@@ -61,8 +61,8 @@ BOOKWORM = Release("bookworm", PACKAGES)
 # Skylake-Server, in scheduler and timer code (sched_clock_cpu and enqueue_timer 2 s into a boot,
 # update_sd_lb_stats and update_se later), whatever ran: about 4 of 20 boots. With -cpu max (the
 # features TCG itself implements, none it only claims): 1 of 23 (issue 23: 20 of 20 under load in
-# a dedicated run, then enqueue_task_fair 2 s into one of three test runs' boots). A panic is reported, and
-# the boot tried again, up to three times.
+# a dedicated run, then enqueue_task_fair 2 s into one of three test runs' boots). A panic is
+# reported, and the boot tried again, up to three times.
 SID = Release("sid", (*PACKAGES, "linux-image-amd64"), own_kernel=True, panic_boots=3,
               cpu="max")
 RUNNER = """#!/bin/sh
