@@ -35,6 +35,8 @@ def main() -> int:
             print(result.output)
             return 1
         lines += wanted
+        # a movable interrupt that reached a bound CPU: which one, and its affinity then
+        lines += [x for x in result.output.splitlines() if '"check": "landed"' in x]
     print(f"(VM boot {outcome.boot_seconds:.1f} s)")
     print("\n".join(lines))
     return 0

@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from dbus_fast import BusType, RequestNameReply
@@ -34,6 +34,7 @@ from .topology import discover
 
 log = logging.getLogger("cpuserviced")
 EXIT_CONFIG = 78
+DRAIN_SECONDS = 10.0  # at a stop, for writes still owed to the kernel
 
 
 def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
@@ -100,8 +101,8 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     except OSError as exc:
         log.error("no CPU hotplug events (%s): call Revalidate() after CPUs change", exc)
         monitor = None
-    service = assemble(cfg, systemd, Store(cfg.state_file),
-                       Kernel(systemd, os.environ.get("RUNTIME_DIRECTORY", "/run/cpuservice")))
+    kernel = Kernel(systemd, os.environ.get("RUNTIME_DIRECTORY", "/run/cpuservice"))
+    service = assemble(cfg, systemd, Store(cfg.state_file), kernel)
     debouncer.settled = lambda: service.revalidate(full=False)
     # after a daemon-reload, what cpuservice set is asserted again (a persistent drop-in of an
     # administrator, e.g. set-property system.slice AllowedCPUs=, may have masked it)
@@ -142,7 +143,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if textfile is not None:
         textfile.write()
     try:
-        return await until_stopped(bus, loop, notifier)
+        return await until_stopped(bus, loop, notifier, kernel.settle)
     finally:
         notifier.stop_watchdog()
         if textfile is not None:
@@ -150,7 +151,10 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
 
 
 async def until_stopped(bus: MessageBus, loop: asyncio.AbstractEventLoop,
-                        notifier: notify.Notifier) -> int:
+                        notifier: notify.Notifier,
+                        drain: Callable[[], Awaitable[None]] | None = None) -> int:
+    """Serve until SIGTERM/SIGINT or the bus is lost; on a stop, ``drain`` (the kernel
+    holders' give-back still to write) gets a few seconds while the bus is still there."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -162,6 +166,11 @@ async def until_stopped(bus: MessageBus, loop: asyncio.AbstractEventLoop,
         notifier.send(status="lost the system bus")
         return 1
     notifier.stopping()
+    if drain is not None:
+        try:
+            await asyncio.wait_for(drain(), DRAIN_SECONDS)
+        except Exception as exc:  # stopping anyway: startup writes what is missing
+            log.warning("stopping before the interrupts got every CPU back: %s", exc)
     bus.disconnect()
     return 0
 

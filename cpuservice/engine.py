@@ -63,7 +63,9 @@ class KernelAPI(Protocol):
     report: Report
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None: ...
+    async def set_many(self, wants: Mapping[str, CPUSet]) -> None: ...
     async def get_cpus(self, holder: str) -> CPUSet | None: ...
+    async def settle(self) -> None: ...
 
 
 class Effector:
@@ -82,6 +84,16 @@ class Effector:
                 await self.kernel.set_cpus(unit, CPUSet.from_mask(bytes(props["AllowedCPUs"][1])))
             return
         await self.systemd.set_properties(unit, props, missing_ok)
+
+    def batched(self, unit: str) -> bool:
+        return unit in KERNEL_HOLDERS
+
+    async def set_many(self, writes: Mapping[str, Props]) -> None:
+        """Both kernel holders in one write."""
+        wants = {u: CPUSet.from_mask(bytes(p["AllowedCPUs"][1]))
+                 for u, p in writes.items() if "AllowedCPUs" in p}
+        if self.kernel is not None and wants:
+            await self.kernel.set_many(wants)
 
     async def stop(self, unit: str) -> None:
         await self.systemd.stop(unit)

@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -104,9 +105,19 @@ def _irqs(irq_dir: Path) -> list[int]:
 
 class Kernel:
     """The daemon's side: it may not write /proc/irq or /sys itself (its unit keeps
-    ProtectKernelTunables=yes), so it has systemd run ``python3 -m cpuservice.irqs set ...`` as
-    a short oneshot service for each change and waits for it; the oneshot writes its report
-    beside the checkpoint. irqbalance is told from here (its socket is in /run)."""
+    ProtectKernelTunables=yes), so it has systemd run a short oneshot service (a shell script)
+    that writes both holders at once and reports beside the checkpoint. irqbalance is told from
+    here (its socket is in /run).
+
+    Writes are coalesced: at most one oneshot is in flight, and it writes the latest wanted
+    CPUs of both holders. A change that takes CPUs from a holder waits until a write that
+    started after it is done (the reconcile transaction's order depends on it). A change that
+    only gives CPUs back (a release) returns at once: it is written shortly after, together with
+    whatever came meanwhile, so that a loop of Allocate and Release does not rewrite every
+    interrupt of the host twice per round. A background write that fails is tried again."""
+
+    GIVE_BACK_DELAY = 0.2  # seconds a give-back waits for more changes to write with it
+    RETRY_SECONDS = 5.0
 
     def __init__(self, systemd: SystemdAPI, state_dir: str | Path,
                  irqbalance: Irqbalance | None = None) -> None:
@@ -114,32 +125,128 @@ class Kernel:
         self.state_dir = Path(state_dir)
         self.irqbalance = irqbalance if irqbalance is not None else Irqbalance()
         self.report = Report()
-        self._runs = 0
+        self.writes = 0  # oneshots run (the metrics, the tests)
         self._tag = os.urandom(4).hex()
+        self._want: dict[str, CPUSet] = {}  # the latest CPUs asked for, per holder
+        self._have: dict[str, CPUSet] = {}  # what the last write set (absent: unknown)
+        self._flying: dict[str, CPUSet] = {}  # what the write in flight sets
+        self._asked = 0  # the number of the latest change that must wait for its write
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self._hurry = asyncio.Event()
 
     def _report_path(self, holder: str) -> Path:
         return self.state_dir / f"{holder.split(':')[1]}-report.json"
 
     async def get_cpus(self, holder: str) -> CPUSet | None:
-        """What the last run here set (None: unknown, the next change writes it anyway)."""
+        """What the last write set (None: unknown, the next change writes it anyway)."""
         try:
             return CPUSet.parse(json.loads(self._report_path(holder).read_text())["cpus"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None:
-        if holder not in KERNEL_HOLDERS:
-            raise IsolationFailed(f"unknown kernel holder {holder!r}")
-        what = holder.split(":")[1]
-        self._runs += 1
-        unit = f"cpuservice-{what}-{self._tag}-{self._runs}.service"
-        report = self._report_path(holder)
-        script = SET_IRQS if holder == IRQS else SET_WORKQUEUES
+        """The holder's CPUs = ``cpus``: written before this returns when the holder loses a
+        CPU it has, or may have, now; soon after otherwise."""
+        await self.set_many({holder: cpus})
+
+    async def set_many(self, wants: Mapping[str, CPUSet]) -> None:
+        """Several holders at once: one write when any of them must wait."""
+        if unknown := set(wants) - set(KERNEL_HOLDERS):
+            raise IsolationFailed(f"unknown kernel holder {sorted(unknown)!r}")
+        self._want.update(wants)
+        if all(self._gives_back(h, c) for h, c in wants.items()):
+            self._start()
+            return
+        await self._written()
+
+    def _gives_back(self, holder: str, cpus: CPUSet) -> bool:
+        """Whether ``cpus`` takes nothing the holder has, or may have once the write in flight
+        is done."""
+        have, flying = self._have.get(holder), self._flying.get(holder, CPUSet())
+        return have is not None and cpus >= have | flying
+
+    async def settle(self) -> None:
+        """Wait until what was asked for is written (isolation switched off, shutdown)."""
+        if self._todo():
+            await self._written()
+
+    async def _written(self) -> None:
+        """Wait for a write that starts after now; its failure is raised here."""
+        self._asked += 1
+        done = asyncio.get_running_loop().create_future()
+        self._waiters.append((self._asked, done))
+        self._hurry.set()
+        self._start()
+        await done
+
+    def _start(self) -> None:
+        if self._writer is None or self._writer.done():
+            hurry, self._hurry = self._hurry.is_set(), asyncio.Event()  # of this loop
+            if hurry:
+                self._hurry.set()
+            self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+
+    async def _write_loop(self) -> None:
+        """One write at a time, each of the latest wanted CPUs, until nothing differs."""
+        while True:
+            if not self._todo():
+                self._wake(self._asked, None)
+                return
+            if not self._hurry.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), self.GIVE_BACK_DELAY)
+            self._hurry.clear()
+            todo, number = self._todo(), self._asked
+            if not todo:
+                continue
+            self._flying = todo
+            try:
+                await self._run(todo)
+            except CPUServiceError as exc:
+                for holder in todo:
+                    self._have.pop(holder, None)  # partly written, perhaps
+                if self._wake(number, exc):
+                    return  # the waiter's transaction undoes, and asks again
+                log.error("giving CPUs back to %s failed (%s); trying again in %.0f s",
+                          ", ".join(todo), exc, self.RETRY_SECONDS)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), self.RETRY_SECONDS)
+                continue
+            finally:
+                self._flying = {}
+            self._have.update(todo)
+            self._wake(number, None)
+
+    def _todo(self) -> dict[str, CPUSet]:
+        return {h: c for h, c in sorted(self._want.items()) if self._have.get(h) != c}
+
+    def _wake(self, number: int, error: Exception | None) -> bool:
+        """Answer the changes up to ``number``; whether there was one."""
+        woken = [f for n, f in self._waiters if n <= number]
+        self._waiters = [(n, f) for n, f in self._waiters if n > number]
+        for future in woken:
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+        return bool(woken)
+
+    async def _run(self, todo: dict[str, CPUSet]) -> None:
+        """One oneshot that writes ``todo`` (one or both holders) and reports each."""
+        self.writes += 1
+        unit = f"cpuservice-kernel-{self._tag}-{self.writes}.service"
+        args = []
+        for holder in KERNEL_HOLDERS:
+            cpus = todo.get(holder)
+            args += (["-", "-", "-"] if cpus is None else
+                     [hex_mask(cpus), cpus.format(), str(self._report_path(holder))])
         # systemd expands $NAME and ${NAME} in ExecStart= (also over D-Bus): $$ is a plain $
-        argv = ["/bin/sh", "-c", script.replace("$", "$$"), "sh", hex_mask(cpus), cpus.format(),
-                str(report)]
+        argv = ["/bin/sh", "-c", SET_KERNEL.replace("$", "$$"), "sh", *args]
+        what = ", ".join(f"{h.split(':')[1]} on CPUs {c.format()}" for h, c in todo.items())
         props: Props = {
-            "Description": ("s", f"cpuservice: {what} on CPUs {cpus.format()}"),
+            "Description": ("s", f"cpuservice: {what}"),
             "Type": ("s", "oneshot"),
             "ExecStart": ("a(sasb)", [[argv[0], argv, False]]),
             "CollectMode": ("s", "inactive-or-failed"),
@@ -147,10 +254,11 @@ class Kernel:
         try:
             await self.systemd.start_transient(unit, props)
         except CPUServiceError as exc:
-            raise IsolationFailed(f"setting the {what} affinity failed: {exc}") from None
-        if holder == IRQS:
+            raise IsolationFailed(f"setting the {what} failed: {exc}") from None
+        cpus = todo.get(IRQS)
+        if cpus is not None:
             try:
-                done = json.loads(report.read_text())
+                done = json.loads(self._report_path(IRQS).read_text())
                 self.report = Report(cpus, sorted(done["confined"]), sorted(done["unmovable"]))
             except (OSError, ValueError, KeyError, TypeError):
                 self.report = Report(cpus)
@@ -160,23 +268,26 @@ class Kernel:
                      "; irqbalance told" if self.report.irqbalance else "")
 
 
-# What the oneshot runs ($1 hex mask, $2 cpu list, $3 report): a shell starts in milliseconds,
-# where a Python interpreter takes seconds under emulation. An IRQ whose affinity the kernel
-# will not set (managed, per-CPU) is listed as unmovable; one that vanished is skipped.
-SET_IRQS = r"""
-echo "$1" > /proc/irq/default_smp_affinity || exit 1
-ok= no=
-for d in /proc/irq/[0-9]*; do
-    n=${d#/proc/irq/}
-    if echo "$2" > "$d/smp_affinity_list" 2>/dev/null; then ok="$ok,$n"
-    elif [ -e "$d" ]; then no="$no,$n"; fi
-done
-printf '{"cpus":"%s","confined":[%s],"unmovable":[%s]}' "$2" "${ok#,}" "${no#,}" > "$3.tmp"
-mv "$3.tmp" "$3"
-"""
-SET_WORKQUEUES = r"""
-echo "$1" > /sys/devices/virtual/workqueue/cpumask || exit 1
-printf '{"cpus":"%s"}' "$2" > "$3.tmp" && mv "$3.tmp" "$3"
+# What the oneshot runs: for the interrupts, then the workqueues, a hex mask, a CPU list and a
+# report path each ("-" three times: leave it). A shell starts in milliseconds, where a Python
+# interpreter takes seconds under emulation. An IRQ whose affinity the kernel will not set
+# (managed, per-CPU) is listed as unmovable; one that vanished is skipped.
+SET_KERNEL = r"""
+if [ "$1" != - ]; then
+    echo "$1" > /proc/irq/default_smp_affinity || exit 1
+    ok= no=
+    for d in /proc/irq/[0-9]*; do
+        n=${d#/proc/irq/}
+        if echo "$2" > "$d/smp_affinity_list" 2>/dev/null; then ok="$ok,$n"
+        elif [ -e "$d" ]; then no="$no,$n"; fi
+    done
+    printf '{"cpus":"%s","confined":[%s],"unmovable":[%s]}' "$2" "${ok#,}" "${no#,}" > "$3.tmp"
+    mv "$3.tmp" "$3"
+fi
+if [ "$4" != - ]; then
+    echo "$4" > /sys/devices/virtual/workqueue/cpumask || exit 1
+    printf '{"cpus":"%s"}' "$5" > "$6.tmp" && mv "$6.tmp" "$6"
+fi
 """
 
 

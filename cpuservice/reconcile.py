@@ -31,7 +31,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from .cpuset import EMPTY, CPUSet
 
@@ -228,6 +228,34 @@ class Effector(Protocol):
     async def remove_overrides(self, unit: str, names: Sequence[str]) -> None: ...
 
 
+@runtime_checkable
+class Batching(Effector, Protocol):
+    """An effector that sets some units together: consecutive SETs of such units run as one
+    call (the kernel's interrupts and workqueues are written by one oneshot)."""
+
+    def batched(self, unit: str) -> bool: ...
+
+    async def set_many(self, writes: Mapping[str, Props]) -> None: ...
+
+
+def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
+    """The operations as the effector runs them: one each, or consecutive batched SETs of
+    distinct units together."""
+    out: list[list[Op]] = []
+    batched = effector.batched if isinstance(effector, Batching) else lambda unit: False
+
+    def joins(op: Op, group: list[Op]) -> bool:
+        return (op.kind is Kind.SET and batched(op.unit) and group[0].kind is Kind.SET
+                and batched(group[0].unit) and all(o.unit != op.unit for o in group))
+
+    for op in ops:
+        if out and joins(op, out[-1]):
+            out[-1].append(op)
+        else:
+            out.append([op])
+    return out
+
+
 async def run_op(effector: Effector, op: Op) -> None:
     if op.kind is Kind.START:
         await effector.start_transient(op.unit, op.props)
@@ -263,9 +291,13 @@ async def execute(tx: Transaction, effector: Effector) -> None:
     """Run the operations in order; when one fails, undo the ones done, newest first, and raise
     Failed. (A crash, BaseException, leaves what was done: startup reconciles it.)"""
     done: list[Op] = []
-    for op in tx.ops:
+    for group in groups(tx.ops, effector):
+        op = group[0]
         try:
-            await run_op(effector, op)
+            if len(group) > 1 and isinstance(effector, Batching):
+                await effector.set_many({o.unit: o.props for o in group})
+            else:
+                await run_op(effector, op)
         except Exception as exc:
             log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
             clean = True
@@ -278,4 +310,4 @@ async def execute(tx: Transaction, effector: Effector) -> None:
                     log.error("undo of '%s' failed: %s", earlier, again)
                     clean = False
             raise Failed(exc, op, clean) from exc
-        done.append(op)
+        done.extend(group)

@@ -144,6 +144,7 @@ async def confinement(engine: Engine) -> None:
         if (holder not in kernel_holders(engine.config) and marks[holder].exists()
                 and engine.kernel is not None):
             await engine.kernel.set_cpus(holder, engine.topology.online)
+            await engine.kernel.settle()  # written before the mark that says it must be goes
             marks[holder].unlink()
             log.info("%s: isolation is off, every online CPU again", holder)
 

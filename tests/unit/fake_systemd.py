@@ -261,6 +261,7 @@ class FakeKernel:
         from cpuservice.irqs import Report
         self.systemd = systemd
         self.report = Report()
+        self.batches: list[dict[str, CPUSet]] = []  # the holders set together, each time
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None:
         fake = self.systemd
@@ -268,6 +269,14 @@ class FakeKernel:
         fake.units.setdefault(holder, Unit(holder)).props["AllowedCPUs"] = cpus.to_mask()
         fake._record()
         self.report.cpus = cpus
+
+    async def set_many(self, wants: Mapping[str, CPUSet]) -> None:
+        self.batches.append(dict(wants))
+        for holder, cpus in wants.items():
+            await self.set_cpus(holder, cpus)
+
+    async def settle(self) -> None:
+        pass
 
     async def get_cpus(self, holder: str) -> CPUSet | None:
         unit = self.systemd.units.get(holder)

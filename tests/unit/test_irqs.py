@@ -16,7 +16,7 @@ from cpuservice import config as config_mod
 from cpuservice.cpuset import CPUSet
 from cpuservice.irqs import (
     IRQS,
-    SET_IRQS,
+    SET_KERNEL,
     WORKQUEUES,
     Irqbalance,
     Kernel,
@@ -71,14 +71,124 @@ def test_the_daemon_has_systemd_run_the_oneshot(tmp_path: Path) -> None:
         json.dumps({"cpus": "0-3", "confined": [1, 4], "unmovable": [0]}))
     asyncio.run(kernel.set_cpus(IRQS, CPUSet.parse("0-3")))
     start = next(w for w in fake.writes if w.member == "StartTransientUnit")
-    assert start.unit.startswith("cpuservice-irqs-") and start.unit.endswith(".service")
+    assert start.unit.startswith("cpuservice-kernel-") and start.unit.endswith(".service")
     argv = start.props["ExecStart"][0][1]
-    assert argv[2] == SET_IRQS.replace("$", "$$")  # systemd would expand $NAME itself
+    assert argv[2] == SET_KERNEL.replace("$", "$$")  # systemd would expand $NAME itself
     assert argv[:2] == ["/bin/sh", "-c"] and argv[3:] == [
-        "sh", "0000000f", "0-3", str(tmp_path / "irqs-report.json")]
+        "sh", "0000000f", "0-3", str(tmp_path / "irqs-report.json"), "-", "-", "-"]
     assert start.props["Type"] == "oneshot"
     assert kernel.report.confined == [1, 4] and kernel.report.unmovable == [0]
     assert asyncio.run(kernel.get_cpus(IRQS)) == CPUSet.parse("0-3")
+
+
+class Oneshots:
+    """A systemd that runs the kernel oneshot's script on a fake /proc and /sys, and holds each
+    run at a gate while the test says so (a write in flight)."""
+
+    def __init__(self, proc: Path, sys: Path) -> None:
+        self.proc, self.sys = proc, sys
+        self.runs: list[list[str]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.fail = False
+
+    async def start_transient(self, unit: str, props: dict) -> None:  # type: ignore[type-arg]
+        from cpuservice.errors import SystemdFailure
+        argv = props["ExecStart"][1][0][1]
+        script = (argv[2].replace("$$", "$").replace("/proc/irq", str(self.proc / "irq"))
+                  .replace("/sys/devices", str(self.sys / "devices")))
+        await self.gate.wait()
+        if self.fail:
+            raise SystemdFailure("the oneshot failed")
+        proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", script, *argv[3:])
+        assert await proc.wait() == 0
+        self.runs.append(argv[4:])
+
+    def irqs(self) -> CPUSet:
+        return CPUSet.parse((self.proc / "irq/4/smp_affinity_list").read_text().strip())
+
+    def workqueues(self) -> CPUSet:
+        return parse_hex_mask((self.sys / "devices/virtual/workqueue/cpumask").read_text())
+
+
+def _kernel(tmp_path: Path) -> tuple[Kernel, Oneshots]:
+    proc, sys = fake_proc(tmp_path, [1, 4])
+    systemd = Oneshots(proc, sys)
+    kernel = Kernel(systemd, tmp_path, Irqbalance(str(tmp_path / "none")))  # type: ignore[arg-type]
+    kernel.GIVE_BACK_DELAY = 0.05
+    return kernel, systemd
+
+
+def test_both_holders_are_written_by_one_oneshot(tmp_path: Path) -> None:
+    async def body() -> None:
+        kernel, systemd = _kernel(tmp_path)
+        await kernel.set_many({IRQS: CPUSet.parse("0-3"), WORKQUEUES: CPUSet.parse("0-3")})
+        assert len(systemd.runs) == 1 and kernel.writes == 1
+        assert systemd.irqs() == systemd.workqueues() == CPUSet.parse("0-3")
+        assert await kernel.get_cpus(WORKQUEUES) == CPUSet.parse("0-3")
+    asyncio.run(body())
+
+
+def test_taking_cpus_waits_giving_back_is_coalesced(tmp_path: Path) -> None:
+    """An Allocate/Release loop: every take is written before it returns; the give-backs
+    between them cost nothing of their own; the last one is written soon after."""
+    async def body() -> None:
+        kernel, systemd = _kernel(tmp_path)
+        pool, taken = CPUSet.parse("0-15"), CPUSet.parse("0-11")
+        both = {IRQS: pool, WORKQUEUES: pool}
+        await kernel.set_many(both)
+        for _ in range(10):
+            await kernel.set_many({IRQS: taken, WORKQUEUES: taken})
+            assert systemd.irqs() == systemd.workqueues() == taken  # before it returned
+            await kernel.set_many(both)  # returns at once
+        assert kernel.writes <= 1 + 10 + 1, kernel.writes  # not 1 + 20
+        await kernel.settle()
+        assert systemd.irqs() == systemd.workqueues() == pool
+        assert kernel.writes <= 12
+    asyncio.run(body())
+
+
+def test_a_take_waits_for_the_give_back_in_flight(tmp_path: Path) -> None:
+    """A give-back being written when a take of the same CPUs comes: the take is not answered
+    before a write after it (the one in flight would give the CPUs back)."""
+    async def body() -> None:
+        kernel, systemd = _kernel(tmp_path)
+        small, pool = CPUSet.parse("0-3"), CPUSet.parse("0-15")
+        await kernel.set_many({IRQS: small, WORKQUEUES: small})
+        systemd.gate.clear()
+        await kernel.set_many({IRQS: pool, WORKQUEUES: pool})  # give back, not yet written
+        await asyncio.sleep(0.2)  # the writer is in flight now, at the gate
+        take = asyncio.create_task(kernel.set_many({IRQS: small, WORKQUEUES: small}))
+        await asyncio.sleep(0.05)
+        assert not take.done()
+        systemd.gate.set()
+        await take
+        assert systemd.irqs() == systemd.workqueues() == small
+        assert [r[1] for r in systemd.runs] == ["0-3", "0-15", "0-3"]
+    asyncio.run(body())
+
+
+def test_a_failed_take_is_raised_and_a_failed_give_back_tried_again(tmp_path: Path) -> None:
+    from cpuservice.irqs import IsolationFailed
+
+    async def body() -> None:
+        kernel, systemd = _kernel(tmp_path)
+        kernel.RETRY_SECONDS = 0.05
+        await kernel.set_cpus(IRQS, CPUSet.parse("0-15"))
+        systemd.fail = True
+        with pytest.raises(IsolationFailed):
+            await kernel.set_cpus(IRQS, CPUSet.parse("0-3"))
+        # after a failure the CPUs the kernel holds are unknown: the next change waits
+        systemd.fail = False
+        await kernel.set_cpus(IRQS, CPUSet.parse("0-7"))
+        assert systemd.irqs() == CPUSet.parse("0-7")
+        systemd.fail = True
+        await kernel.set_cpus(IRQS, CPUSet.parse("0-15"))  # a give-back: at once
+        await asyncio.sleep(0.15)
+        systemd.fail = False
+        await kernel.settle()
+        assert systemd.irqs() == CPUSet.parse("0-15")
+    asyncio.run(body())
 
 
 def test_irqbalance_is_told_its_banned_cpus(tmp_path: Path, monkeypatch) -> None:
@@ -116,10 +226,15 @@ def test_interrupts_leave_before_an_allocation_arrives(tmp_path: Path) -> None:
                  lambda: svc.release("keep")]
         for step in steps:
             mark, before = host.fake.mark(), svc.ledger.exclusive
+            batches = len(host.kernel.batches)
             await step()
             check_window(host.fake, mark, before | svc.ledger.exclusive)
             for holder in (IRQS, WORKQUEUES):
                 assert host.fake.cpus(holder) == svc.ledger.shared
+            # both holders move together: one write to take CPUs, one to give them back
+            written = host.kernel.batches[batches:]
+            assert written and all(set(b) == {IRQS, WORKQUEUES} for b in written), written
+            assert len(written) <= 2, written
         agree(svc, host.fake)
     run(body)
 
@@ -175,14 +290,20 @@ def test_the_oneshot_script_on_a_fake_proc(tmp_path: Path) -> None:
     stands in for a file the kernel refuses)."""
     import subprocess
 
-    from cpuservice.irqs import SET_IRQS
-    proc, _ = fake_proc(tmp_path, [1, 4, 24])
+    proc, sys = fake_proc(tmp_path, [1, 4, 24])
     (proc / "irq/0/smp_affinity_list").mkdir(parents=True)  # writing fails, like EIO
-    report = tmp_path / "report.json"
-    script = SET_IRQS.replace("/proc/irq", str(proc / "irq"))
-    subprocess.run(["/bin/sh", "-c", script, "sh", "00000f0f", "0-3,8-11", str(report)],
-                   check=True)
+    report, wq_report = tmp_path / "report.json", tmp_path / "wq.json"
+    script = (SET_KERNEL.replace("/proc/irq", str(proc / "irq"))
+              .replace("/sys/devices", str(sys / "devices")))
+    subprocess.run(["/bin/sh", "-c", script, "sh", "00000f0f", "0-3,8-11", str(report),
+                    "-", "-", "-"], check=True)
     assert json.loads(report.read_text()) == {"cpus": "0-3,8-11", "confined": [1, 24, 4],
                                               "unmovable": [0]}
     assert (proc / "irq/4/smp_affinity_list").read_text() == "0-3,8-11\n"
     assert (proc / "irq/default_smp_affinity").read_text() == "00000f0f\n"
+    assert (sys / "devices/virtual/workqueue/cpumask").read_text() == "ffff\n"  # left
+    subprocess.run(["/bin/sh", "-c", script, "sh", "-", "-", "-", "0000000f", "0-3",
+                    str(wq_report)], check=True)
+    assert (sys / "devices/virtual/workqueue/cpumask").read_text() == "0000000f\n"
+    assert json.loads(wq_report.read_text()) == {"cpus": "0-3"}
+    assert (proc / "irq/4/smp_affinity_list").read_text() == "0-3,8-11\n"  # left

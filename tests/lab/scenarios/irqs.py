@@ -59,6 +59,20 @@ def affinity(irq: int) -> set[int]:
     return parse(Path(f"/proc/irq/{irq}/smp_affinity_list").read_text().strip())
 
 
+def irq_name(irq: int) -> str:
+    for line in Path("/proc/interrupts").read_text().splitlines():
+        if line.split(":")[0].strip() == str(irq):
+            return " ".join(x for x in line.split()[1:] if not x.isdigit())
+    return "?"
+
+
+def effective(irq: int) -> str:
+    try:
+        return Path(f"/proc/irq/{irq}/effective_affinity_list").read_text().strip()
+    except OSError:
+        return "?"
+
+
 def serial_irq() -> int:
     for line in Path("/proc/interrupts").read_text().splitlines():
         if line.rstrip().endswith("ttyS0"):
@@ -140,8 +154,12 @@ async def check(irqbalance: bool) -> None:
         delta = [a - b for a, b in zip(counts, before.get(n, [0] * len(counts)), strict=False)]
         for cpu, d in enumerate(delta):
             if cpu in bound:
-                on_bound["movable" if n in movable or n not in iso["unmovable"] else
-                         "unmovable"] += d
+                kind = "movable" if n in movable or n not in iso["unmovable"] else "unmovable"
+                on_bound[kind] += d
+                if d and kind == "movable":  # which one, and what the kernel says of it
+                    result(check="landed", irq=n, cpu=cpu, count=d, name=irq_name(n),
+                           affinity=sorted(affinity(n)), effective=effective(n),
+                           confined=n in iso["confined"])
             else:
                 total_on_shared += d
     fired = sum(after[irq]) - sum(before.get(irq, [0]))
@@ -154,7 +172,12 @@ async def check(irqbalance: bool) -> None:
           f"total_on_shared={total_on_shared} irqbalance={'yes' if irqbalance else 'no'}",
           flush=True)
     await c.call("Release", "s", ["irqjob"])
-    result(check="released", serial_affinity=sorted(affinity(irq)), online=sorted(online))
+    # the interrupts get released CPUs back shortly after Release answers (coalesced writes)
+    start = time.monotonic()
+    while not bound <= affinity(irq) and time.monotonic() - start < 10:
+        await asyncio.sleep(0.05)
+    result(check="released", serial_affinity=sorted(affinity(irq)), online=sorted(online),
+           given_back_s=round(time.monotonic() - start, 2))
     configure(False)
     result(check="off", serial_affinity=sorted(affinity(irq)),
            default=Path("/proc/irq/default_smp_affinity").read_text().strip())
