@@ -2,8 +2,8 @@
 cpuserviced with isolate_irqs): where a movable interrupt lands while a bound allocation holds
 4 CPUs, without and with irqbalance, and how long Allocate takes until the last interrupt
 affinity is written. Prints, last:
-    irq_on_bound_cpus movable=<n> unmovable=<n> total_on_shared=<n> irqbalance=no
-    irq_on_bound_cpus movable=<n> unmovable=<n> total_on_shared=<n> irqbalance=yes
+    irq_on_bound_cpus movable=<n> deferred=<n> unmovable=<n> total_on_shared=<n> irqbalance=no
+    irq_on_bound_cpus movable=<n> deferred=<n> unmovable=<n> total_on_shared=<n> irqbalance=yes
     irq_follow_ms p50 <float>
 """
 

@@ -313,6 +313,7 @@ class Manager(ServiceInterface):
             "cpus": Variant("s", report.cpus.format() if report and enabled else ""),
             "confined": Variant("au", list(report.confined) if report and enabled else []),
             "unmovable": Variant("au", list(report.unmovable) if report and enabled else []),
+            "pending": Variant("au", list(report.pending) if report and enabled else []),
             "irqbalance": Variant("b", bool(report and enabled and report.irqbalance)),
         }
 

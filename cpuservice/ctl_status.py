@@ -45,8 +45,10 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
     irq = props.get("IRQIsolation") or {}
     if irq.get("enabled"):
         unmovable = ", ".join(map(str, irq["unmovable"])) or "none"
+        pending = irq.get("pending") or []
         print(f"  IRQs:      {len(irq['confined'])} on {irq['cpus'] or '-'}; unmovable: "
-              f"{unmovable}{'; irqbalance told' if irq['irqbalance'] else ''}")
+              f"{unmovable}{'; moved at next arrival: ' if pending else ''}"
+              f"{', '.join(map(str, pending))}{'; irqbalance told' if irq['irqbalance'] else ''}")
     caps = props.get("Capabilities") or {}
     if caps:
         kinds = [k for k in caps.get("Partitions", []) if k != "none"]

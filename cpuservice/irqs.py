@@ -75,6 +75,22 @@ class Report:
     confined: list[int] = field(default_factory=list)
     unmovable: list[int] = field(default_factory=list)
     irqbalance: bool = False
+    # confined, but the kernel defers the move to the interrupt's next arrival (x86 IO-APIC
+    # without interrupt remapping): that one arrival may still land on the CPU it leaves
+    pending: list[int] = field(default_factory=list)
+
+
+def pending_moves(effective: Mapping[str, str], cpus: CPUSet) -> list[int]:
+    """The IRQs whose effective affinity (the CPUs the kernel delivers them to now, as the
+    oneshot read it right after its writes: IRQ -> cpu list) is not yet within ``cpus``."""
+    pending = []
+    for irq, text in effective.items():
+        try:
+            if text.strip() and not CPUSet.parse(text.strip()) <= cpus:
+                pending.append(int(irq))
+        except ValueError:
+            continue
+    return sorted(pending)
 
 
 def write_irqs(irq_dir: Path, cpus: CPUSet) -> Report:
@@ -259,29 +275,36 @@ class Kernel:
         if cpus is not None:
             try:
                 done = json.loads(self._report_path(IRQS).read_text())
-                self.report = Report(cpus, sorted(done["confined"]), sorted(done["unmovable"]))
-            except (OSError, ValueError, KeyError, TypeError):
+                self.report = Report(cpus, sorted(done["confined"]), sorted(done["unmovable"]),
+                                     pending=pending_moves(done.get("effective", {}), cpus))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 self.report = Report(cpus)
             self.report.irqbalance = self.irqbalance.ban(cpus)
-            log.info("IRQs on %s: %d confined, unmovable %s%s", cpus.format(),
-                     len(self.report.confined), self.report.unmovable or "none",
+            log.info("IRQs on %s: %d confined, unmovable %s, moved at their next arrival %s%s",
+                     cpus.format(), len(self.report.confined), self.report.unmovable or "none",
+                     self.report.pending or "none",
                      "; irqbalance told" if self.report.irqbalance else "")
 
 
 # What the oneshot runs: for the interrupts, then the workqueues, a hex mask, a CPU list and a
 # report path each ("-" three times: leave it). A shell starts in milliseconds, where a Python
 # interpreter takes seconds under emulation. An IRQ whose affinity the kernel will not set
-# (managed, per-CPU) is listed as unmovable; one that vanished is skipped.
+# (managed, per-CPU) is listed as unmovable; one that vanished is skipped. Where the kernel
+# delivers each confined IRQ right after (effective_affinity_list) tells a deferred move.
 SET_KERNEL = r"""
 if [ "$1" != - ]; then
     echo "$1" > /proc/irq/default_smp_affinity || exit 1
-    ok= no=
+    ok= no= eff=
     for d in /proc/irq/[0-9]*; do
         n=${d#/proc/irq/}
-        if echo "$2" > "$d/smp_affinity_list" 2>/dev/null; then ok="$ok,$n"
+        if echo "$2" > "$d/smp_affinity_list" 2>/dev/null; then
+            ok="$ok,$n" e=
+            read -r e 2>/dev/null < "$d/effective_affinity_list"
+            eff="$eff,\"$n\":\"$e\""
         elif [ -e "$d" ]; then no="$no,$n"; fi
     done
-    printf '{"cpus":"%s","confined":[%s],"unmovable":[%s]}' "$2" "${ok#,}" "${no#,}" > "$3.tmp"
+    printf '{"cpus":"%s","confined":[%s],"unmovable":[%s],"effective":{%s}}' \
+        "$2" "${ok#,}" "${no#,}" "${eff#,}" > "$3.tmp"
     mv "$3.tmp" "$3"
 fi
 if [ "$4" != - ]; then
