@@ -46,7 +46,8 @@ from cpuservice.errors import InsufficientCPUs
 from cpuservice.fixtures import MACHINES, Machine, write_sysfs
 from cpuservice.pools import Ledger, check_invariants
 from cpuservice.request import Request
-from cpuservice.topology import Topology, discover
+from cpuservice.sysfs import discover
+from cpuservice.topology import Topology
 
 SEED = 20261122
 POLICIES = ("packed", "full-pcpus", "spread-pcpus")

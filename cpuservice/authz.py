@@ -19,20 +19,12 @@ from dbus_fast import Variant
 from dbus_fast.aio import MessageBus
 
 from . import dbuscall
-from .errors import CPUServiceError
+from .errors import AccessDenied, InteractiveAuthorizationRequired
 
 ALLOCATE = "org.cpuservice1.allocate"
 MANAGE = "org.cpuservice1.manage"
 INTERACTIVE_TIMEOUT = 120.0  # a person typing a password
 QUICK_TIMEOUT = 10.0
-
-
-class AccessDenied(CPUServiceError):
-    dbus_name = "org.freedesktop.DBus.Error.AccessDenied"
-
-
-class InteractiveAuthorizationRequired(CPUServiceError):
-    dbus_name = "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"
 
 
 class Authority:

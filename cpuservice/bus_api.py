@@ -13,11 +13,10 @@ from dbus_fast import Message, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 
-from . import __version__, dbuscall, journal
+from . import __version__, dbuscall, journal, views
 from .authz import (
     ALLOCATE,
     MANAGE,
-    AccessDenied,
     Authority,
     BusyError,
     PidHandles,
@@ -36,7 +35,7 @@ from .bus_objects import (
     path_of,
     plain_options,
 )
-from .errors import CPUServiceError, InvalidArgument, LimitExceeded, NoSuchAllocation
+from .errors import AccessDenied, CPUServiceError, InvalidArgument, LimitExceeded, NoSuchAllocation
 from .service import Service
 from .units import NO_QUOTA
 
@@ -53,6 +52,7 @@ class Manager(ServiceInterface):
         self.bus = bus
         self.authority = authority
         self.objects: dict[str, Allocation] = {}
+        self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._uids: OrderedDict[str, int] = OrderedDict()
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         service.events = self
@@ -136,6 +136,7 @@ class Manager(ServiceInterface):
 
     def allocation_removed(self, name: str) -> None:
         self.objects.pop(name, None)
+        self._values.pop(name, None)
         self.bus.unexport(path_of(name))
         self.AllocationRemoved(name, path_of(name))
         self._object_manager("InterfacesRemoved", "oas",
@@ -181,9 +182,25 @@ class Manager(ServiceInterface):
     @method()
     @boundary
     async def Release(self, name: "s") -> None:
+        await self.release_as_caller(name)
+
+    async def release_as_caller(self, name: str) -> None:
+        """Release, for the caller of this call (Manager.Release, Allocation.Release)."""
         uid, serial = await self.authorize_for(name)
         await self.count_change(uid)
         await self.service.release(name, serial=serial)
+
+    def allocation_values(self, name: str) -> dict[str, Any]:
+        """All properties of an allocation, from the service's current state. Computed once
+        per state (the state and the topology are replaced, never changed, on every change):
+        GetAll and GetManagedObjects read every property of every allocation one at a time."""
+        service = self.service
+        key = (service.state, service.topology, service.engine.partition_report(name))
+        cached = self._values.get(name)
+        if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+            cached = self._values[name] = (key, views.allocation(service.topology,
+                                                                 service.state, name, key[2]))
+        return cached[1]
 
     @method()
     @boundary

@@ -11,23 +11,20 @@ import contextvars
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
 from dbus_fast.service import ServiceInterface, dbus_property, method
 
-from . import cpuset, views
+from . import cpuset
 from .errors import CPUServiceError, InvalidArgument
-
-if TYPE_CHECKING:
-    from .bus_api import Manager
 
 log = logging.getLogger(__name__)
 BUS_NAME = "org.cpuservice1"
 PATH = "/org/cpuservice1"
 ALLOCATION_PREFIX = "/org/cpuservice1/allocation/"
-FAILED = "org.cpuservice1.Error.Failed"
+FAILED = CPUServiceError.dbus_name
 
 # (sender, ALLOW_INTERACTIVE_AUTHORIZATION) of the method call being handled
 current_call: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
@@ -145,25 +142,22 @@ class Bus(MessageBus):
         pass
 
 
+class AllocationHost(Protocol):
+    """What an Allocation object asks of the Manager that exports it."""
+
+    def allocation_values(self, name: str) -> dict[str, Any]: ...
+
+    async def release_as_caller(self, name: str) -> None: ...
+
+
 class Allocation(ServiceInterface):
-    def __init__(self, manager: "Manager", name: str) -> None:
+    def __init__(self, manager: AllocationHost, name: str) -> None:
         super().__init__("org.cpuservice1.Allocation")
         self.manager = manager
-        self.service = manager.service
         self.allocation = name
 
     def values(self) -> dict[str, Any]:
-        """All properties, from the service's current state. Computed once per state (the
-        state and the topology are replaced, never changed, on every change): GetAll and
-        GetManagedObjects read every property of every allocation one at a time."""
-        service = self.service
-        key = (service.state, service.topology,
-               service.engine.partition_report(self.allocation))
-        cached = getattr(self, "_cached", None)
-        if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
-            self._cached = (key, views.allocation(service.topology, service.state,
-                                                  self.allocation, key[2]))
-        return self._cached[1]
+        return self.manager.allocation_values(self.allocation)
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":
@@ -224,5 +218,4 @@ class Allocation(ServiceInterface):
     @method()
     @boundary
     async def Release(self) -> None:
-        _, serial = await self.manager.authorize_for(self.allocation)
-        await self.service.release(self.allocation, serial=serial)
+        await self.manager.release_as_caller(self.allocation)

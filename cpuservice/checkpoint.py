@@ -19,7 +19,7 @@ from typing import Any
 
 from . import compat
 from .cpuset import CPUSet
-from .errors import CPUServiceError
+from .errors import CheckpointWriteError, CPUServiceError
 from .pools import Allocation, Fragment, Ledger
 from .request import Request, parse_options
 
@@ -30,12 +30,6 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(ValueError):
     """The checkpoint is unreadable, from another version, or fails its checksum."""
-
-
-class CheckpointWriteError(CPUServiceError):
-    """The state could not be written (disk full, I/O error, read-only): nothing changed."""
-
-    dbus_name = "org.cpuservice1.Error.CheckpointFailed"
 
 
 @dataclass(frozen=True)

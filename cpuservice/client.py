@@ -16,7 +16,7 @@ from typing import Any
 from dbus_fast import BusType, MessageFlag, Variant
 from dbus_fast.aio import MessageBus
 
-from . import dbuscall
+from . import dbuscall, errors
 
 DEST = "org.cpuservice1"
 PATH = "/org/cpuservice1"
@@ -30,14 +30,13 @@ SYSTEM_BUS = "/run/dbus/system_bus_socket"
 
 # exit codes, as cpuservicectl documents them
 EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SUCH, EXIT_NO_CPUS, EXIT_DENIED = 1, 2, 4, 5, 13
-DENIED = ("org.freedesktop.DBus.Error.AccessDenied",
-          "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired")
+DENIED = (errors.AccessDenied.dbus_name, errors.InteractiveAuthorizationRequired.dbus_name)
 EXIT_BY_ERROR = {
-    "org.cpuservice1.Error.NoSuchAllocation": EXIT_NO_SUCH,
-    "org.cpuservice1.Error.InsufficientCPUs": EXIT_NO_CPUS,
+    errors.NoSuchAllocation.dbus_name: EXIT_NO_SUCH,
+    errors.InsufficientCPUs.dbus_name: EXIT_NO_CPUS,
     DENIED[0]: EXIT_DENIED,
     DENIED[1]: EXIT_DENIED,
-    "org.cpuservice1.Error.InvalidArgument": EXIT_USAGE,
+    errors.InvalidArgument.dbus_name: EXIT_USAGE,
 }
 # the bus's answers when nobody serves org.cpuservice1 (or activating it failed)
 NOT_RUNNING = ("org.freedesktop.DBus.Error.ServiceUnknown",

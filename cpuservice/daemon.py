@@ -29,8 +29,8 @@ from .hotplug import CPUMonitor, Debouncer
 from .irqs import Kernel
 from .lifetime import Lifetime
 from .service import Service
+from .sysfs import discover
 from .systemd import Systemd
-from .topology import discover
 
 log = logging.getLogger("cpuserviced")
 EXIT_CONFIG = 78

@@ -19,7 +19,8 @@ from .cpuset import CPUSet
 from .errors import CPUServiceError, SystemdFailure
 from .irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from .pools import Ledger, check_invariants
-from .reconcile import Props, UnitSpec
+from .props import Props
+from .reconcile import UnitSpec
 from .targets import Targets, partition_mode, partition_of
 from .topology import Topology
 

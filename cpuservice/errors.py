@@ -1,4 +1,5 @@
-"""Typed errors; each carries the D-Bus error name a caller sees."""
+"""Typed errors; each carries the D-Bus error name a caller sees. Every error a D-Bus caller
+can get is declared here (the man page test reads them from here), and nowhere else."""
 
 from __future__ import annotations
 
@@ -40,3 +41,23 @@ class NotSupported(CPUServiceError):
     """This host cannot do what was asked (e.g. a cpuset partition on systemd < 261)."""
 
     dbus_name = "org.cpuservice1.Error.NotSupported"
+
+
+class IsolationFailed(CPUServiceError):
+    """The kernel refused the interrupt or workqueue affinity as a whole."""
+
+    dbus_name = "org.cpuservice1.Error.IsolationFailed"
+
+
+class CheckpointWriteError(CPUServiceError):
+    """The state could not be written (disk full, I/O error, read-only): nothing changed."""
+
+    dbus_name = "org.cpuservice1.Error.CheckpointFailed"
+
+
+class AccessDenied(CPUServiceError):
+    dbus_name = "org.freedesktop.DBus.Error.AccessDenied"
+
+
+class InteractiveAuthorizationRequired(CPUServiceError):
+    dbus_name = "org.freedesktop.DBus.Error.InteractiveAuthorizationRequired"

@@ -29,25 +29,15 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from .cpuset import CPUSet
-from .errors import CPUServiceError
-
-if TYPE_CHECKING:
-    from .engine import SystemdAPI
-    from .reconcile import Props
+from .errors import CPUServiceError, IsolationFailed
 
 log = logging.getLogger(__name__)
 IRQS = "kernel:irqs"
 WORKQUEUES = "kernel:workqueues"
 KERNEL_HOLDERS = (IRQS, WORKQUEUES)
-
-
-class IsolationFailed(CPUServiceError):
-    """The kernel refused the interrupt or workqueue affinity as a whole."""
-
-    dbus_name = "org.cpuservice1.Error.IsolationFailed"
 
 
 def hex_mask(cpus: CPUSet) -> str:
@@ -119,6 +109,12 @@ def _irqs(irq_dir: Path) -> list[int]:
         return []
 
 
+class Starter(Protocol):
+    """What the kernel adapter asks of systemd: run a transient unit and wait for its job."""
+
+    async def start_transient(self, unit: str, props: Mapping[str, tuple[str, Any]]) -> None: ...
+
+
 class Kernel:
     """The daemon's side: it may not write /proc/irq or /sys itself (its unit keeps
     ProtectKernelTunables=yes), so it has systemd run a short oneshot service (a shell script)
@@ -135,7 +131,7 @@ class Kernel:
     GIVE_BACK_DELAY = 0.2  # seconds a give-back waits for more changes to write with it
     RETRY_SECONDS = 5.0
 
-    def __init__(self, systemd: SystemdAPI, state_dir: str | Path,
+    def __init__(self, systemd: Starter, state_dir: str | Path,
                  irqbalance: Irqbalance | None = None) -> None:
         self.systemd = systemd
         self.state_dir = Path(state_dir)
@@ -261,7 +257,7 @@ class Kernel:
         # systemd expands $NAME and ${NAME} in ExecStart= (also over D-Bus): $$ is a plain $
         argv = ["/bin/sh", "-c", SET_KERNEL.replace("$", "$$"), "sh", *args]
         what = ", ".join(f"{h.split(':')[1]} on CPUs {c.format()}" for h, c in todo.items())
-        props: Props = {
+        props: dict[str, tuple[str, Any]] = {
             "Description": ("s", f"cpuservice: {what}"),
             "Type": ("s", "oneshot"),
             "ExecStart": ("a(sasb)", [[argv[0], argv, False]]),

@@ -34,11 +34,10 @@ from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from .cpuset import EMPTY, CPUSet
+from .props import Props
 
 log = logging.getLogger(__name__)
 
-# name -> (D-Bus signature, value), as systemd's SetUnitProperties takes them
-Props = Mapping[str, tuple[str, Any]]
 CPUS = "AllowedCPUs"
 PARTITION = "CPUSetPartition"
 NOT_PARTITION = ("", "member")

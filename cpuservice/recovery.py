@@ -13,14 +13,13 @@ from types import MappingProxyType
 from . import journal, units
 from .checkpoint import (
     CheckpointError,
-    CheckpointWriteError,
     Record,
     State,
     from_payload,
     fsync_dir,
 )
 from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger, kernel_holders
-from .errors import CPUServiceError
+from .errors import CheckpointWriteError, CPUServiceError
 from .irqs import KERNEL_HOLDERS
 from .lifetime import ended as unit_ended
 from .pools import Allocation, InvariantError, Ledger, check_invariants

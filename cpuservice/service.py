@@ -16,11 +16,12 @@ from decimal import Decimal
 from typing import Any
 
 from . import journal, partitions, placement, recovery, units
-from .checkpoint import CheckpointWriteError, Record, State
+from .checkpoint import Record, State
 from .cpuset import CPUSet
 from .engine import UNIT_IFACE, Engine, Events, cgroup_iface
 from .errors import (
     AllocationExists,
+    CheckpointWriteError,
     CPUServiceError,
     InvalidArgument,
     LimitExceeded,
@@ -31,10 +32,12 @@ from .journal import Kind
 from .lifetime import Lifetime
 from .placement import Placement
 from .pools import Allocation, Ledger
+from .props import Props
 from .repair import repair
 from .request import Request, parse_amount, validate_name
+from .sysfs import discover, refresh
 from .targets import own_slice, partition_mode, partition_of, partition_of_request
-from .topology import Topology, discover, refresh
+from .topology import Topology
 
 log = logging.getLogger(__name__)
 PARTITION_CHECK_SECONDS = 5.0
@@ -249,7 +252,7 @@ class Service:
             return allocation
 
     async def _target_unit(self, name: str, request: Request
-                           ) -> tuple[str, units.Props, tuple[str, ...]]:
+                           ) -> tuple[str, Props, tuple[str, ...]]:
         """The unit an allocation applies to; for a foreign unit also its current values and
         the properties it has no runtime override for (see Record.fresh)."""
         unit = request.options.unit
@@ -354,7 +357,7 @@ class Service:
                 raise InvalidArgument("no PIDs to attach")
             self._attached += 1
             scope = units.attach_scope(name, self._tag, self._attached)
-            props: units.Props = {"PIDs": ("au", list(pids)), "Slice": ("s", own),
+            props: Props = {"PIDs": ("au", list(pids)), "Slice": ("s", own),
                                   "Description": ("s", f"processes attached to {name}")}
             try:
                 await self.systemd.start_transient(scope, props)

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from dbus_fast import Message, MessageType, Variant
@@ -18,6 +18,7 @@ from dbus_fast.aio import MessageBus
 
 from . import dbuscall, units
 from .errors import SystemdFailure
+from .props import Props
 
 DEST = "org.freedesktop.systemd1"
 PATH = "/org/freedesktop/systemd1"
@@ -29,8 +30,6 @@ _FINISHED_KEEP = 4096
 
 log = logging.getLogger(__name__)
 
-# A unit property to set: name -> (D-Bus signature, value)
-Props = Mapping[str, tuple[str, Any]]
 
 
 def as_dbus(props: Props) -> list[list[Any]]:

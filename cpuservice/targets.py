@@ -81,7 +81,8 @@ class Targets:
                                        if own and self.partitions else partitions.NONE,
                                        bool(a.held))
         if own:
-            props["Description"] = ("s", units.describe(name, units.description_fields(a, record)))
+            props = {**props, "Description": (
+                "s", units.describe(name, units.description_fields(a, record)))}
         spec = UnitSpec(props, own, {} if own else record.saved, () if own else record.fresh)
         self._cache[name] = (a, record, shared, spec)
         if follows:

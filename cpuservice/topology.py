@@ -39,15 +39,11 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .cpuset import EMPTY, CPUSet
 
-if TYPE_CHECKING:  # re-exported for the callers that import them from here (see __getattr__)
-    from .sysfs import discover, refresh
-
-__all__ = ["CPU", "CPUFacts", "NodeFacts", "Reading", "Topology", "TopologyError", "discover",
-           "refresh", "resolve"]
+__all__ = ["CPU", "CPUFacts", "NodeFacts", "Reading", "Topology", "TopologyError", "resolve"]
 
 
 class TopologyError(RuntimeError):
@@ -664,11 +660,3 @@ def _dense(keys: Mapping[int, object]) -> dict[int, int]:
         first.setdefault(keys[c], len(first))
     return {c: first[k] for c, k in keys.items()}
 
-
-def __getattr__(name: str) -> Any:
-    """discover() and refresh() live in cpuservice.sysfs (I/O); importable from here too."""
-    if name in ("discover", "refresh"):
-        from . import sysfs
-
-        return getattr(sysfs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

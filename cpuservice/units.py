@@ -23,6 +23,7 @@ from .cpuset import CPUSet
 from .errors import InvalidArgument
 from .placement import Placement
 from .pools import Allocation, Fragment
+from .props import Props
 from .request import Request, parse_options
 
 ROOT = "cpuservice.slice"
@@ -33,8 +34,6 @@ CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
 NO_QUOTA = 2**64 - 1
 _PLAIN = re.compile(r"[A-Za-z0-9_:]")
 
-# name -> (D-Bus signature, value), as systemd's SetUnitProperties takes them
-Props = dict[str, tuple[str, Any]]
 CPU_PROPERTIES = ("AllowedCPUs", "CPUWeight", "CPUQuotaPerSecUSec", "AllowedMemoryNodes")
 # what is read back of cpuservice's own slices (CPUSetPartition: systemd >= 261 only)
 OWN_PROPERTIES = (*CPU_PROPERTIES, partitions.PROPERTY)
@@ -123,7 +122,7 @@ def allocation_props(
     it CPUs again: Linux 7.2 keeps a partition whose CPUs all went offline "valid" with no CPU at
     all, and the processes in its child cgroups stranded on the offline CPUs (seen in the sid
     lab), so it must not stay a partition."""
-    props: Props = {}
+    props: dict[str, tuple[str, Any]] = {}
     if bound or explicit_cpus:
         props["AllowedCPUs"] = ("ay", placement.cpus.to_mask())
     if partition != partitions.NONE:
@@ -147,7 +146,7 @@ _SIGNATURES = {"AllowedCPUs": "ay", "AllowedMemoryNodes": "ay", "CPUWeight": "t"
 def observed_props(values: Mapping[str, Any]) -> Props:
     """Properties as systemd reports them, in the form they are set (an empty CPU mask is no
     restriction: left out)."""
-    out: Props = {}
+    out: dict[str, tuple[str, Any]] = {}
     for name, value in values.items():
         sig = _SIGNATURES.get(name)
         if sig == "ay":

@@ -22,7 +22,8 @@ from cpuservice.fixtures import Machine, write_sysfs
 from cpuservice.pools import Ledger
 from cpuservice.repair import repair
 from cpuservice.request import Request
-from cpuservice.topology import CPU, Topology, discover
+from cpuservice.sysfs import discover
+from cpuservice.topology import CPU, Topology
 from tests.props import examples
 
 from .helpers import PLACEMENT_OPTIONS, bind, ledger_for

@@ -649,7 +649,7 @@ def test_kernel_isolated_cpus_serve_bound_allocations(tmp_path: Path) -> None:
     from cpuservice.fixtures import MACHINES, write_sysfs
     from cpuservice.pools import Ledger
     from cpuservice.request import Request
-    from cpuservice.topology import discover
+    from cpuservice.sysfs import discover
 
     machine = dataclasses.replace(MACHINES["lab"], isolated=frozenset(range(2, 8)))
     t = discover(write_sysfs(tmp_path, machine))

@@ -13,7 +13,7 @@ import pytest
 
 from cpuservice import notify, placement
 from cpuservice.request import Request
-from cpuservice.topology import discover
+from cpuservice.sysfs import discover
 from tests.unit.helpers import ledger_for
 from tests.unit.test_service_fake import Host
 

@@ -83,7 +83,7 @@ def test_reserved_cpus_never_handed_out(machine) -> None:
 
 def test_spread_pcpus_one_thread_per_core(tmp_path) -> None:
     from cpuservice.fixtures import Machine, write_sysfs
-    from cpuservice.topology import discover
+    from cpuservice.sysfs import discover
 
     t = discover(write_sysfs(tmp_path, Machine(1, 8, 2)))  # 8 cores, 16 threads
     _, a = alloc(t, ledger_for(t), "s", bind("8", policy="spread-pcpus"))
@@ -238,7 +238,7 @@ def test_capacity(machine) -> None:
     import tempfile
 
     from cpuservice.fixtures import Machine, write_sysfs
-    from cpuservice.topology import discover
+    from cpuservice.sysfs import discover
 
     t = discover(write_sysfs(tempfile.mkdtemp(), Machine(2, 2, nodes=2)))
     ledger = ledger_for(t, min_shared_cpus=0)

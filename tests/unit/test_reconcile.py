@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cpuservice import reconcile
 from cpuservice.cpuset import CPUSet
+from cpuservice.props import Props
 from cpuservice.reconcile import UnitSpec, plan
 from tests.props import examples
 
@@ -73,10 +74,10 @@ class Recorder:
             self.now[unit] = cpus
         self.timeline.append(dict(self.now))
 
-    async def start_transient(self, unit: str, props: reconcile.Props) -> None:
+    async def start_transient(self, unit: str, props: Props) -> None:
         self._step(unit, _cpus(props) or ALL)
 
-    async def set_properties(self, unit: str, props: reconcile.Props,
+    async def set_properties(self, unit: str, props: Props,
                              missing_ok: bool = False) -> None:
         if missing_ok:  # a restore
             self.restored.add(unit)

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import write_sysfs
-from cpuservice.topology import discover
+from cpuservice.sysfs import discover
 
 
 def test_single_socket_no_smt(machine) -> None:

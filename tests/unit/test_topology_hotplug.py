@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from cpuservice.cpuset import CPUSet
 from cpuservice.fixtures import MACHINES, write_sysfs
-from cpuservice.topology import Topology, discover, refresh
+from cpuservice.sysfs import discover, refresh
+from cpuservice.topology import Topology
 from tests.props import examples
 from tests.unit.helpers import HOTPLUG_STATES, write_hotplug_state
 
