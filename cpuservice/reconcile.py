@@ -17,6 +17,9 @@ Revalidate and hotplug repair. The ordering rule, stated once:
       3. units that gain CPUs get them, and every other property that changed; new units
          start. A unit that moves to CPUs another unit still holds waits for that unit. A
          slice that becomes a partition gets its AllowedCPUs first and its partition after.
+         Units that wait for each other (two that swap CPUs, a longer cycle) pass through the
+         non-exclusive CPUs (the shared pool's): one of them moves there first (a partition
+         stops being one before), the others follow, it goes last.
     An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
     a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
     Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
@@ -168,12 +171,22 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
     # not yet handled still holds waits until that one has moved
     pending = sorted(after)
+    mentioned = CPUSet.union_all(c for spec in (*before.values(), *after.values())
+                                 if (c := spec.cpus) is not None)
+    parking = mentioned - exclusive  # CPUs any unit may hold for a moment (the shared pool's)
     while pending:
         ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
         if not ready:
-            log.error("reconcile: units %s wait for each other's CPUs; applying in name order",
-                      ", ".join(pending))
-            ready = list(pending)
+            # units that swap CPUs, or a longer cycle: one of them moves to the parking CPUs
+            # first (a partition stops being one before), the others follow, it last
+            parked = _park(pending, after, now, holding, exclusive, parking)
+            if parked is None:
+                log.error("reconcile: units %s wait for each other's CPUs and no CPU is free "
+                          "to pass through; applying in name order", ", ".join(pending))
+                ready = list(pending)
+            else:
+                ops.extend(parked)
+                continue
         for unit in ready:
             pending.remove(unit)
             ops.extend(_final(unit, now.get(unit), after[unit]))
@@ -183,6 +196,39 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
             else:
                 holding[unit] = will
     return Transaction(tuple(ops))
+
+
+def _park(pending: Sequence[str], after: Units, now: dict[str, UnitSpec],
+          holding: dict[str, CPUSet], exclusive: CPUSet, parking: CPUSet) -> list[Op] | None:
+    """Break a cycle of units waiting for each other's exclusive CPUs: the first unit that holds
+    exclusive CPUs another one waits for (one that is not a partition, when there is one) moves
+    to ``parking`` (non-exclusive CPUs); ``now`` and ``holding`` follow. None: nothing to
+    park on."""
+    if not parking:
+        return None
+
+    def waited_for(unit: str) -> bool:
+        held = holding[unit] & exclusive
+        return any(v != unit and (after[v].cpus or EMPTY) & held for v in pending)
+
+    blocking = [u for u in pending if u in holding and waited_for(u)]
+    if not blocking:
+        return None
+    unit = next((u for u in blocking if not _is_partition(now[u])), blocking[0])
+    ops = []
+    had = now[unit].props
+    if _is_partition(now[unit]):
+        ops.append(Op(Kind.SET, unit, {PARTITION: ("s", "member")}, {PARTITION: had[PARTITION]}))
+        had = {**had, PARTITION: ("s", "member")}
+    ops.append(Op(Kind.SET, unit, {CPUS: _mask(parking)}, {CPUS: had[CPUS]}))
+    now[unit] = replace(now[unit], props={**had, CPUS: _mask(parking)})
+    holding[unit] = parking
+    return ops
+
+
+def _is_partition(spec: UnitSpec) -> bool:
+    value = spec.props.get(PARTITION)
+    return value is not None and value[1] not in NOT_PARTITION
 
 
 def _waits(unit: str, will: CPUSet | None, pending: Sequence[str], holding: Mapping[str, CPUSet],
