@@ -24,10 +24,11 @@ from . import __version__, config, journal, metrics, notify
 from .authz import Authority
 from .bus_api import BUS_NAME, Bus, Manager, capture_sender
 from .checkpoint import Store
-from .engine import Engine, Events, KernelAPI, SystemdAPI
+from .engine import Engine
 from .hotplug import CPUMonitor, Debouncer
 from .irqs import Kernel
 from .lifetime import Lifetime
+from .ports import Events, KernelAPI, SystemdAPI
 from .service import Service
 from .sysfs import discover
 from .systemd import Systemd

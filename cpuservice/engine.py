@@ -10,15 +10,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
 
 from . import journal, metrics, partitions, reconcile, units, views
+from .change import Basis, Change, Durability, Note
 from .checkpoint import State, Store
 from .config import Config
 from .cpuset import CPUSet
-from .errors import CPUServiceError, SystemdFailure
-from .irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
+from .errors import CheckpointWriteError, CPUServiceError, SystemdFailure
+from .irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES
 from .pools import Ledger, check_invariants
+from .ports import UNIT_IFACE, Events, KernelAPI, NoEvents, SystemdAPI, cgroup_iface
 from .props import Props
 from .reconcile import UnitSpec
 from .targets import Targets, partition_mode, partition_of
@@ -27,48 +28,6 @@ from .topology import Topology
 log = logging.getLogger(__name__)
 OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
                 f"{units.PARTITION_PREFIX}*.slice")
-UNIT_IFACE = "org.freedesktop.systemd1.Unit"
-_TYPE_IFACE = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket": "Socket",
-               "mount": "Mount", "swap": "Swap"}
-
-
-def cgroup_iface(unit: str) -> str:
-    return f"org.freedesktop.systemd1.{_TYPE_IFACE[unit.rsplit('.', 1)[1]]}"
-
-
-class SystemdAPI(Protocol):
-    """What cpuservice asks of systemd."""
-
-    on_unit_removed: Callable[[str], None]
-    on_unit_new: Callable[[str], None]
-    on_unit_state: Callable[[str, str], None]
-
-    async def start_transient(self, unit: str, props: Props) -> None: ...
-    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None: ...
-    async def stop(self, unit: str) -> None: ...
-    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None: ...
-    async def unit_path(self, unit: str) -> str | None: ...
-    async def load_state(self, unit: str) -> str: ...
-    async def manager_version(self) -> str: ...
-    async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]: ...
-    async def list_units(self, patterns: Sequence[str]) -> list[tuple[str, str]]: ...
-    async def processes(self, unit: str) -> list[int]: ...
-    async def member_units(self, unit: str) -> set[str]: ...
-    async def watch_unit(self, unit_path: str) -> None: ...
-    async def unwatch_unit(self, unit_path: str) -> None: ...
-
-
-class KernelAPI(Protocol):
-    """What cpuservice asks of the kernel for isolation beyond cgroups (cpuservice.irqs)."""
-
-    report: Report
-
-    async def set_cpus(self, holder: str, cpus: CPUSet) -> None: ...
-    async def set_many(self, wants: Mapping[str, CPUSet]) -> None: ...
-    async def get_cpus(self, holder: str) -> CPUSet | None: ...
-    async def settle(self) -> None: ...
-
-
 class Effector:
     """The reconcile transaction's effector: systemd for units, the kernel for the pseudo-units
     of interrupts and workqueues (they only ever get AllowedCPUs)."""
@@ -101,33 +60,6 @@ class Effector:
 
     async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
         await self.systemd.remove_overrides(unit, names)
-
-
-class Events(Protocol):
-    """What the bus layer is told after each committed change, with the values to publish."""
-
-    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None: ...
-    def allocation_removed(self, name: str) -> None: ...
-    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None: ...
-    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None: ...
-    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None: ...
-
-
-class NoEvents:
-    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
-        pass
-
-    def allocation_removed(self, name: str) -> None:
-        pass
-
-    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
-        pass
-
-    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
-        pass
-
-    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
-        pass
 
 
 def kernel_holders(config: Config) -> tuple[str, ...]:
@@ -168,53 +100,62 @@ class Engine:
     def ledger(self) -> Ledger:
         return self.state.ledger
 
-    async def commit(
-        self,
-        new: State,
-        touched: set[str] | None,
-        reasons: Mapping[str, str] | None = None,
-        sync: bool = False,
-        checkpoint_first: bool = True,
-        topology: Topology | None = None,
-    ) -> None:
-        """Checkpoint, apply to systemd, publish; on failure put both back and raise.
-        ``touched``: the allocations the change is about (None: look at all of them);
-        ``sync``: from what systemd reports rather than from the current state; ``topology``:
-        the machine as it is now, when it changed (hotplug, Revalidate)."""
+    def adopt(self, state: State) -> None:
+        """Startup: the state recovered from the checkpoint or the units, before the first
+        ``apply`` makes systemd hold it (a failure then retries it, never undoes it)."""
+        self.state = state
+
+    async def apply(self, change: Change) -> None:
+        """The one way anything changes: checkpoint (as durable as the change asks), one
+        reconcile transaction (its own steps, then what the new state needs), events, audit.
+        On failure both the state and systemd are put back and the cause is raised."""
+        new = change.state
+        if new is None:
+            await self._execute(reconcile.Transaction(change.steps))
+            return
         check_invariants(new.ledger)
         old, old_topology = self.state, self.topology
         memo = self.targets.memo()  # a failed change leaves no spec of its own behind
-        changed = self.targets.changed(old, new, touched)
-        if checkpoint_first:
+        changed = self.targets.changed(old, new, change.touched)
+        observed = change.basis is Basis.OBSERVED
+        if change.durability is Durability.FIRST:
             self.store.save(new, changed)
+        elif change.durability is Durability.SERVE_READ_ONLY:
+            try:
+                self.store.save(new, changed)
+            except CheckpointWriteError as exc:
+                # what this change derived follows from the checkpoint and systemd again at the
+                # next start; changes that need a write are refused until one succeeds
+                log.error("%s: serving read-only, every change is refused until the state can "
+                          "be written", exc)
         try:
             before = self.specs(old, changed)
-            self.topology = topology or old_topology
-            if sync:
-                await self.sync(new)
+            self.topology = change.topology or old_topology
+            if observed:
+                await reconcile.execute(reconcile.Transaction(change.steps), self.effector)
+                await self._sync(new)
             else:
                 tx = reconcile.plan(before, self.specs(new, changed),
                                     old.ledger.exclusive | new.ledger.exclusive)
-                await reconcile.execute(tx, self.effector)
-            if not checkpoint_first:
+                await reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
+                                        self.effector)
+            if change.durability is Durability.AFTER:
                 self.store.save(new, changed)
         except Exception as exc:
             log.error("applying a change failed, rolling back: %s", exc)
             self.topology = old_topology
             self.targets.restore(memo)
-            if sync or not (isinstance(exc, reconcile.Failed) and exc.clean):
+            if observed or not (isinstance(exc, reconcile.Failed) and exc.clean):
                 try:
-                    await self.sync(old)
+                    await self._sync(old)
                 except Exception as again:
                     log.error("rollback incomplete: %s", again)
-            try:
-                self.store.save(old, changed)
-            except CPUServiceError as again:
-                log.error("cannot write the state back: %s", again)
-            cause = exc.cause if isinstance(exc, reconcile.Failed) else exc
-            if isinstance(cause, CPUServiceError):
-                raise cause from None
-            raise SystemdFailure(f"systemd failed: {cause}") from None
+            if change.durability is not Durability.NONE:
+                try:
+                    self.store.save(old, changed)
+                except CPUServiceError as again:
+                    log.error("cannot write the state back: %s", again)
+            raise _cause(exc) from None
         except BaseException:
             self.topology = old_topology
             self.targets.restore(memo)
@@ -222,16 +163,43 @@ class Engine:
         self.state = new
         before_partitions = dict(self.partition_states)
         await self.observe_partitions(changed)
-        self._publish(old, new, changed, reasons or {}, old_topology, before_partitions)
+        self._publish(old, new, changed, change.reasons, old_topology, before_partitions)
+        for event in change.events:
+            self.audit.send(event)
+        for note in change.notes:
+            self._audit(note, old, old_topology)
+
+    async def settle(self) -> None:
+        """Wait until the kernel holders have what was last applied to them (give-backs are
+        written shortly after the change that made them)."""
+        if self.kernel is not None:
+            await self.kernel.settle()
+
+    async def _execute(self, tx: reconcile.Transaction) -> None:
+        try:
+            await reconcile.execute(tx, self.effector)
+        except reconcile.Failed as exc:
+            raise _cause(exc) from None
+
+    def _audit(self, note: Note, old: State, old_topology: Topology) -> None:
+        """Record a committed change of an allocation, with the uid of the D-Bus caller who
+        asked for it, if one did."""
+        extra = dict(note.extra)
+        caller = journal.CALLER.get()
+        if caller is not None:
+            extra["caller_uid"] = str(caller)
+        state, topology = (old, old_topology) if note.before else (self.state, self.topology)
+        self.audit.send(journal.event(note.kind, topology, state, note.name, note.reason,
+                                      self.partition_report(note.name), **extra))
 
     def specs(self, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
         return self.targets.specs(self.topology, state, names)
 
-    async def sync(self, state: State) -> None:
+    async def _sync(self, state: State) -> None:
         """Make systemd match ``state`` whatever it holds now (startup, Revalidate, a rollback
         that could not be undone): the same transaction, from what systemd reports."""
         after = self.specs(state, state.ledger.allocations)
-        before = await self.observe(after)
+        before, dead = await self.observe(after)
         # what bound slices hold now is protected too; a slice on the shared pool (a bound
         # allocation that lost every CPU) holds nothing of its own
         on_pool = {state.records[n].unit for n, a in state.ledger.allocations.items()
@@ -239,15 +207,20 @@ class Engine:
         held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
                                 if (own := units.name_of_slice(unit)) and own[1]
                                 and unit not in on_pool)
-        await reconcile.execute(reconcile.plan(before, after, state.ledger.exclusive | held),
-                                self.effector)
+        # a dead slice of ours is stopped first, so that it can be started again
+        stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
+        tx = reconcile.plan(before, after, state.ledger.exclusive | held)
+        await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
 
-    async def observe(self, after: Mapping[str, UnitSpec]) -> dict[str, UnitSpec]:
-        """The units systemd holds now: our per-allocation slices (a dead one is stopped, so
-        that it can be started again) and the other units ``after`` names. A slice is ours only
-        when it is one ``after`` names or its Description records the allocation its name
-        says: a slice somebody else made with a similar name is left alone."""
+    async def observe(self, after: Mapping[str, UnitSpec]
+                      ) -> tuple[dict[str, UnitSpec], list[str]]:
+        """The units systemd holds now: our per-allocation slices (and, apart, the dead ones:
+        to stop, so that they can be started again) and the other units ``after`` names. A
+        slice is ours only when it is one ``after`` names or its Description records the
+        allocation its name says: a slice somebody else made with a similar name is left
+        alone."""
         before: dict[str, UnitSpec] = {}
+        dead: list[str] = []
         for unit, active in await self.systemd.list_units(OWN_PATTERNS):
             if units.name_of_slice(unit) is None:
                 continue
@@ -257,7 +230,7 @@ class Engine:
                 log.warning("leaving %s alone: cpuservice did not make it", unit)
                 continue
             if active not in ("active", "activating"):
-                await self.systemd.stop(unit)
+                dead.append(unit)
                 continue
             before[unit] = UnitSpec(units.observed_props(have), own=True)
         for unit, spec in after.items():
@@ -272,7 +245,7 @@ class Engine:
             if have:
                 before[unit] = UnitSpec(units.observed_props(have), own=False,
                                         restore=spec.restore, forget=spec.forget)
-        return before
+        return before, dead
 
     async def detect_capabilities(self) -> partitions.Capabilities:
         """What this host can do about partitions: systemd's version and whether its slices
@@ -371,3 +344,11 @@ class Engine:
         invalidated = ["Topology"] if self.topology != old_topology else []
         if manager or invalidated:
             self.events.manager_changed(manager, invalidated)
+
+
+def _cause(exc: Exception) -> CPUServiceError:
+    """What a failed change tells its caller: the cause, as a named error."""
+    cause = exc.cause if isinstance(exc, reconcile.Failed) else exc
+    if isinstance(cause, CPUServiceError):
+        return cause
+    return SystemdFailure(f"systemd failed: {cause}")

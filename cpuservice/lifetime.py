@@ -10,9 +10,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+from .change import Change
 from .checkpoint import Record, State
-from .engine import UNIT_IFACE, Engine, SystemdAPI
+from .engine import Engine
 from .errors import CPUServiceError
+from .ports import UNIT_IFACE, SystemdAPI
 from .targets import own_slice
 
 log = logging.getLogger(__name__)
@@ -191,4 +193,4 @@ class Lifetime:
                 if name in engine.state.records:
                     records = {**engine.state.records,
                                name: replace(engine.state.records[name], populated=True)}
-                    await engine.commit(State(engine.ledger, records), {name})
+                    await engine.apply(Change(State(engine.ledger, records), frozenset({name})))

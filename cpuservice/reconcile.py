@@ -83,6 +83,7 @@ class Op:
     undo_props: Props = field(default_factory=dict)
     forget: tuple[str, ...] = ()
     adopt: bool = False  # a SET that makes a foreign unit cpuservice's: undone by a RESTORE
+    keep: bool = False  # never undone (an Attach scope: stopping it would kill what it holds)
 
     def __str__(self) -> str:
         return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
@@ -315,6 +316,8 @@ async def run_op(effector: Effector, op: Op) -> None:
 
 
 def inverse(op: Op) -> Op | None:
+    if op.keep:
+        return None
     if op.kind is Kind.START:
         return Op(Kind.STOP, op.unit)
     if op.kind is Kind.STOP:

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from . import journal, units
+from .change import Basis, Change, Durability, Note, effects
 from .checkpoint import (
     CheckpointError,
     Record,
@@ -18,12 +19,16 @@ from .checkpoint import (
     from_payload,
     fsync_dir,
 )
-from .engine import OWN_PATTERNS, UNIT_IFACE, Engine, SystemdAPI, empty_ledger, kernel_holders
-from .errors import CheckpointWriteError, CPUServiceError
+from .engine import OWN_PATTERNS, Engine, empty_ledger, kernel_holders
+from .errors import CPUServiceError
 from .irqs import KERNEL_HOLDERS
 from .lifetime import ended as unit_ended
 from .pools import Allocation, InvariantError, Ledger, check_invariants
-from .repair import Change, repair
+from .ports import UNIT_IFACE, SystemdAPI
+from .reconcile import Kind as OpKind
+from .reconcile import Op
+from .repair import Change as Repaired
+from .repair import repair
 from .targets import own_slice
 from .topology import Topology
 
@@ -60,23 +65,20 @@ async def start(engine: Engine) -> None:
         events = [journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason)
                   for names, reason in ((gone, "its unit is gone"), (ended_now, "its unit ended"))
                   for name in names]
+        steps = forget(state, gone)
         state = without(state, gone + ended_now)
         ledger, changes = repair(engine.topology, state.ledger)
         new = State(ledger, state.records)
         check_invariants(ledger)
-        try:
-            engine.store.save(new)
-        except CheckpointWriteError as exc:
-            # serve anyway: what this start derived (repair, releases of vanished units) follows
-            # from the checkpoint and systemd again at the next start; changes that need a
-            # write are refused until one succeeds (the status says so)
-            log.error("%s: serving read-only, every change is refused until the state can be "
-                      "written", exc)
         mark_confinement(engine)  # before systemd confines anything: a crash cannot hide it
-        await engine.sync(new)
-        engine.state = new
-        for e in events + restored(engine.topology, new, changes, source):
-            engine.audit.send(e)
+        # serve even when the state cannot be written: what this start derived (repair,
+        # releases of vanished units) follows from the checkpoint and systemd again at the next
+        # start; changes that need a write are refused until one succeeds (the status says so)
+        engine.adopt(new)
+        await engine.apply(Change(
+            new, None, durability=Durability.SERVE_READ_ONLY, basis=Basis.OBSERVED,
+            steps=steps,
+            events=tuple(events + restored(engine.topology, new, changes, source))))
         engine.counters.repair("startup", time.monotonic() - began, len(changes))
         await confinement(engine)
         # foreign units whose lifetime=unit allocation ended while the daemon was down get
@@ -88,7 +90,7 @@ async def start(engine: Engine) -> None:
                 log.error("cannot release %s, whose unit ended: %s", name, exc)
 
 
-def restored(topology: Topology, state: State, changes: list[Change],
+def restored(topology: Topology, state: State, changes: list[Repaired],
              source: str) -> list[journal.Event]:
     """The audit trail of a start: each allocation kept (from the checkpoint or the units),
     and what the startup repair changed (pure)."""
@@ -134,16 +136,17 @@ async def confinement(engine: Engine) -> None:
     Debian package's prerm does the same on removal, also when the daemon is down."""
     marks = _marks(engine)
     if not engine.config.confine_host and marks["host"].exists():
-        for unit in units.CONFINED:
-            await engine.systemd.set_properties(unit, {"AllowedCPUs": ("ay", b"")},
-                                                missing_ok=True)
+        every = {"AllowedCPUs": ("ay", b"")}  # empty: no restriction
+        await engine.apply(effects(*(Op(OpKind.RESTORE, unit, every)
+                                     for unit in units.CONFINED)))
         marks["host"].unlink()
         log.info("confine_host is off: %s have every CPU again", ", ".join(units.CONFINED))
     for holder in KERNEL_HOLDERS:
         if (holder not in kernel_holders(engine.config) and marks[holder].exists()
                 and engine.kernel is not None):
-            await engine.kernel.set_cpus(holder, engine.topology.online)
-            await engine.kernel.settle()  # written before the mark that says it must be goes
+            online = {"AllowedCPUs": ("ay", engine.topology.online.to_mask())}
+            await engine.apply(effects(Op(OpKind.SET, holder, online)))
+            await engine.settle()  # written before the mark that says it must be goes
             marks[holder].unlink()
             log.info("%s: isolation is off, every online CPU again", holder)
 
@@ -154,9 +157,10 @@ async def release(engine: Engine, name: str, reason: str) -> None:
     state = engine.state
     records = dict(state.records)
     record = records.pop(name, Record())
-    await engine.commit(State(state.ledger.without(name), records), {name},
-                        checkpoint_first=own_slice(record))
-    engine.audit.send(journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason))
+    await engine.apply(Change(
+        State(state.ledger.without(name), records), frozenset({name}),
+        durability=Durability.FIRST if own_slice(record) else Durability.AFTER,
+        notes=(Note(journal.Kind.RELEASED, name, reason, before=True),)))
 
 
 async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
@@ -192,9 +196,9 @@ async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
 
 async def vanished(systemd: SystemdAPI, state: State) -> list[str]:
     """Allocations on foreign units that no longer exist (not found, masked, broken): nothing
-    to apply to or restore. They are logged, the runtime drop-ins cpuservice wrote for them
-    removed, and forgotten; they never stop the daemon from starting. (A unit that is merely
-    stopped, and unloaded by systemd, still exists: it keeps its allocation.)"""
+    to apply to or restore. They are logged and forgotten (``forget``: the runtime drop-ins
+    cpuservice wrote for them go); they never stop the daemon from starting. (A unit that is
+    merely stopped, and unloaded by systemd, still exists: it keeps its allocation.)"""
     gone = []
     for name, record in state.records.items():
         if own_slice(record) or name not in state.ledger.allocations:
@@ -208,9 +212,15 @@ async def vanished(systemd: SystemdAPI, state: State) -> list[str]:
         if load != "loaded":
             log.warning("allocation %s: its unit %s is %s; forgetting it", name, record.unit,
                         load)
-            await systemd.remove_overrides(record.unit, record.fresh)
             gone.append(name)
     return gone
+
+
+def forget(state: State, names: list[str]) -> tuple[Op, ...]:
+    """The steps that remove the runtime drop-ins cpuservice wrote for the vanished foreign
+    units ``names`` (nothing is set: there is nothing to set it on)."""
+    return tuple(Op(OpKind.RESTORE, state.records[n].unit, forget=state.records[n].fresh,
+                    keep=True) for n in names if state.records[n].fresh)
 
 
 async def ended(systemd: SystemdAPI, state: State) -> list[str]:

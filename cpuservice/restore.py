@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from dbus_fast import BusType
 from dbus_fast.aio import MessageBus
 
-from . import config, units
+from . import config, reconcile, units
 from .checkpoint import CheckpointError, Store, prop_in
-from .engine import SystemdAPI
 from .errors import CPUServiceError
+from .ports import SystemdAPI
 from .systemd import Systemd
 
 
@@ -37,8 +37,9 @@ async def restore(store: Store, systemd: SystemdAPI) -> list[str]:
             continue  # cpuservice's own slices are stopped, not restored
         try:
             saved = {k: (sig, prop_in(sig, v)) for k, (sig, v) in row["saved"].items()}
-            await systemd.set_properties(unit, saved, missing_ok=True)
-            await systemd.remove_overrides(unit, [str(n) for n in row.get("fresh", ())])
+            fresh = tuple(str(n) for n in row.get("fresh", ()))
+            await reconcile.run_op(systemd, reconcile.Op(reconcile.Kind.RESTORE, unit, saved,
+                                                         forget=fresh))
         except (CPUServiceError, KeyError, TypeError, ValueError) as exc:
             print(f"cpuservice: cannot restore {unit}: {exc}", file=sys.stderr)
             continue

@@ -16,9 +16,10 @@ from decimal import Decimal
 from typing import Any
 
 from . import journal, partitions, placement, recovery, units
+from .change import Basis, Change, Durability, Note, effects
 from .checkpoint import Record, State
 from .cpuset import CPUSet
-from .engine import UNIT_IFACE, Engine, Events, cgroup_iface
+from .engine import Engine
 from .errors import (
     AllocationExists,
     CheckpointWriteError,
@@ -32,7 +33,10 @@ from .journal import Kind
 from .lifetime import Lifetime
 from .placement import Placement
 from .pools import Allocation, Ledger
+from .ports import UNIT_IFACE, Events, cgroup_iface
 from .props import Props
+from .reconcile import Kind as OpKind
+from .reconcile import Op
 from .repair import repair
 from .request import Request, parse_amount, validate_name
 from .sysfs import discover, refresh
@@ -82,15 +86,6 @@ class Service:
     @events.setter
     def events(self, events: Events) -> None:
         self.engine.events = events
-
-    def audit(self, kind: Kind, state: State, name: str, reason: str = "", **extra: str) -> None:
-        """Record a committed change of ``name`` (its values as ``state`` holds them), with the
-        uid of the D-Bus caller who asked for it, if one did."""
-        caller = journal.CALLER.get()
-        if caller is not None:
-            extra["caller_uid"] = str(caller)
-        self.engine.audit.send(journal.event(kind, self.topology, state, name, reason,
-                                             self.engine.partition_report(name), **extra))
 
     def allocation(self, name: str) -> Allocation:
         try:
@@ -211,12 +206,12 @@ class Service:
                     continue
                 self._reset[name] = report
                 wanted = partition_mode(a, self.ledger)
-                try:
-                    await self.engine.effector.set_properties(
-                        unit, {partitions.PROPERTY: ("s", partitions.MEMBER)}, missing_ok=True)
-                finally:  # whatever happened, the slice is to be what it asked for
-                    await self.engine.effector.set_properties(
-                        unit, {partitions.PROPERTY: ("s", str(wanted))}, missing_ok=True)
+                # a member, then what it asked for again (undone: what it asked for)
+                asked = {partitions.PROPERTY: ("s", str(wanted))}
+                await self.engine.apply(effects(
+                    Op(OpKind.RESTORE, unit, {partitions.PROPERTY: ("s", partitions.MEMBER)},
+                       asked),
+                    Op(OpKind.RESTORE, unit, asked)))
                 wrote = True
                 log.info("allocation %s: set the partition of %s again", name, unit)
             for name in [n for n in self._reset if n not in self.ledger.allocations
@@ -242,8 +237,9 @@ class Service:
             if limited:
                 self.check_limits(owner, name, ledger)
             record = Record(owner, unit, saved, fresh=fresh)
-            await self.engine.commit(State(ledger, {**self.state.records, name: record}), {name})
-            self.audit(Kind.ALLOCATED, self.state, name)
+            await self.engine.apply(Change(State(ledger, {**self.state.records, name: record}),
+                                           frozenset({name}),
+                                           notes=(Note(Kind.ALLOCATED, name),)))
             self._serials[name] = next(self._next_serial)
             if request.options.lifetime == "unit":
                 self.lifetime.track(name)
@@ -297,28 +293,30 @@ class Service:
             try:
                 if self.engine.store.write_error:  # the release could not be recorded
                     raise CheckpointWriteError(self.engine.store.write_error)
-                await self.systemd.stop(record.unit)
+                await self.engine.apply(effects(Op(OpKind.STOP, record.unit)))
             finally:
                 self._releasing.discard(name)
         async with self.lock:
             self._same(name, serial)
-            old = self.state
             ledger = placement.release(self.ledger, name)
             records = dict(self.state.records)
             record = records.pop(name, Record())
             # a foreign unit's saved values leave the checkpoint only once systemd has them back
             try:
-                await self.engine.commit(State(ledger, records), {name},
-                                         checkpoint_first=own_slice(record))
+                await self.engine.apply(Change(
+                    State(ledger, records), frozenset({name}),
+                    durability=Durability.FIRST if own_slice(record) else Durability.AFTER,
+                    notes=(Note(Kind.RELEASED, name, reason, before=True),)))
             except CPUServiceError:
                 if stopped:  # the allocation stays: its slice comes back (empty), as recorded
                     try:
-                        await self.engine.sync(self.state)
+                        await self.engine.apply(Change(self.state, None,
+                                                       durability=Durability.NONE,
+                                                       basis=Basis.OBSERVED))
                     except CPUServiceError as exc:
                         log.error("cannot start %s again after a failed release: %s",
                                   record.unit, exc)
                 raise
-            self.audit(Kind.RELEASED, old, name, reason)
             self._serials.pop(name, None)
             await self.lifetime.unwatch(name)
 
@@ -336,9 +334,10 @@ class Service:
             ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
             if limited and amount > old.request.cpus:
                 self.check_limits(self.record(name).owner, name, ledger)
-            await self.engine.commit(State(ledger, self.state.records), {name},
-                                     {name: f"resized to {amount}"})
-            self.audit(Kind.RESIZED, self.state, name, f"from {old.request.cpus} CPUs")
+            await self.engine.apply(Change(
+                State(ledger, self.state.records), frozenset({name}),
+                {name: f"resized to {amount}"},
+                notes=(Note(Kind.RESIZED, name, f"from {old.request.cpus} CPUs"),)))
             return allocation
 
     async def attach(self, name: str, pids: Sequence[int], serial: int | None = None) -> str:
@@ -359,16 +358,19 @@ class Service:
             scope = units.attach_scope(name, self._tag, self._attached)
             props: Props = {"PIDs": ("au", list(pids)), "Slice": ("s", own),
                                   "Description": ("s", f"processes attached to {name}")}
+            # the scope is kept whatever follows: stopping it would kill the processes it holds
+            start = Op(OpKind.START, scope, props, keep=True)
+            note = Note(Kind.ATTACHED, name,
+                        extra={"scope": scope, "pids": ",".join(str(p) for p in pids)})
+            state = self.state if record.populated else State(
+                self.ledger, {**self.state.records, name: replace(record, populated=True)})
             try:
-                await self.systemd.start_transient(scope, props)
+                await self.engine.apply(Change(
+                    state, frozenset({name}), steps=(start,), notes=(note,),
+                    durability=Durability.NONE if record.populated else Durability.FIRST))
             except SystemdFailure as exc:
                 raise InvalidArgument(f"cannot attach PIDs {list(pids)}: {exc}") from None
             self.lifetime.member(scope, name)
-            if not record.populated:
-                records = {**self.state.records, name: replace(record, populated=True)}
-                await self.engine.commit(State(self.ledger, records), {name})
-            self.audit(Kind.ATTACHED, self.state, name, scope=scope,
-                       pids=",".join(str(p) for p in pids))
             return scope
 
     async def revalidate(self, full: bool = True) -> None:
@@ -387,21 +389,21 @@ class Service:
             if full:  # a foreign unit that vanished: nothing to apply to, nothing to restore
                 gone = await recovery.vanished(self.systemd, state)
                 state = recovery.without(state, gone)
-            dropped = [journal.event(Kind.RELEASED, old_topology, before, name,
-                                     "its unit is gone") for name in gone]
             ledger, changes = repair(topology, state.ledger)
             reasons = {c.name: c.reason for c in changes}
             if topology == old_topology and not reasons and not full:
                 return
             # Not a caller's request: systemd first, then the checkpoint, which a restart
             # would repair the same way from the old one.
-            await self.engine.commit(State(ledger, state.records), None, reasons,
-                                     sync=full, checkpoint_first=full, topology=topology)
-            for e in dropped:
-                self.engine.audit.send(e)
-            for c in changes:
-                self.audit(Kind.REPAIRED, self.state, c.name, c.reason, lost=c.lost.format(),
-                           gained=c.gained.format())
+            dropped = [journal.event(Kind.RELEASED, old_topology, before, name,
+                                     "its unit is gone") for name in gone]
+            notes = tuple(Note(Kind.REPAIRED, c.name, c.reason, {
+                "lost": c.lost.format(), "gained": c.gained.format()}) for c in changes)
+            await self.engine.apply(Change(
+                State(ledger, state.records), None, reasons,
+                durability=Durability.FIRST if full else Durability.AFTER,
+                basis=Basis.OBSERVED if full else Basis.RECORDED, topology=topology,
+                steps=recovery.forget(before, gone), notes=notes, events=tuple(dropped)))
             seconds = time.monotonic() - began
             self.engine.counters.repair("revalidate" if full else "hotplug", seconds,
                                         len(changes))

@@ -5,6 +5,7 @@ Record objects), so a change costs what it touches, not what exists."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from . import partitions, placement, units
 from .checkpoint import Record, State
@@ -91,7 +92,7 @@ class Targets:
             self._followers.discard(name)
         return spec
 
-    def changed(self, old: State, new: State, touched: set[str] | None) -> set[str]:
+    def changed(self, old: State, new: State, touched: AbstractSet[str] | None) -> set[str]:
         """Allocations whose units may differ between two states (``touched``: the ones the
         change is about; None: compare them all)."""
         if touched is None:
