@@ -7,6 +7,7 @@ Prints:
     churn seed=<n> policy=<p> allocs=<n> success=<f> numa_avoidable_spans=<n> \
 smt_split_full_pcpus=<n> mean_fragmented_cores=<f> half_cores_while_whole_free=<n> median_us=<f>
     capacity_worst_us cpus=1024 <float>
+    capacity_worst_us cpus=1024 isolated=8 <float>
     capacity_worst_us cpus=1024 isolated=64 <float>
 
 The churn line comes per seed for each policy and for all of them (policy=all). The workload:
@@ -350,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
             print(tally.line(seed, policy), flush=True)
     if not args.churn_only:
         print(f"capacity_worst_us cpus=1024 {capacity_worst_us(t1024, 1000):.1f}", flush=True)
+        print(f"capacity_worst_us cpus=1024 isolated=8 "
+              f"{capacity_worst_us(t1024, 1000, isolated=8):.1f}", flush=True)
         print(f"capacity_worst_us cpus=1024 isolated=64 "
               f"{capacity_worst_us(t1024, 1000, isolated=64):.1f}", flush=True)
     return 0
