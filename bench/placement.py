@@ -42,13 +42,13 @@ import time
 from dataclasses import dataclass, field
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.errors import InsufficientCPUs
-from cpuservice.fixtures import MACHINES, Machine, write_sysfs
-from cpuservice.pools import Ledger, check_invariants
-from cpuservice.request import Request
-from cpuservice.sysfs import discover
-from cpuservice.topology import Topology
+from cpuservice.host.sysfs import discover
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import InsufficientCPUs
+from cpuservice.model.fixtures import MACHINES, Machine, write_sysfs
+from cpuservice.model.pools import Ledger, check_invariants
+from cpuservice.model.request import Request
+from cpuservice.model.topology import Topology
 
 SEED = 20261122
 POLICIES = ("packed", "full-pcpus", "spread-pcpus")

@@ -29,7 +29,7 @@ from pathlib import Path
 from dbus_fast import Variant
 from dbus_fast.aio import MessageBus
 
-from cpuservice.systemd import Systemd
+from cpuservice.host.systemd import Systemd
 from tests.envs.container import ContainerHost
 from tests.integration import client
 from tests.integration.service_env import ServiceHost

@@ -20,18 +20,20 @@ from typing import Any
 from dbus_fast import BusType, RequestNameReply
 from dbus_fast.aio import MessageBus
 
-from . import __version__, config, journal, metrics, notify
-from .authz import Authority
-from .bus_api import BUS_NAME, Bus, Manager, capture_sender
-from .checkpoint import Store
-from .engine import Engine
-from .hotplug import CPUMonitor, Debouncer
-from .irqs import Kernel
-from .lifetime import Lifetime
-from .ports import Events, KernelAPI, SystemdAPI
-from .service import Service
-from .sysfs import discover
-from .systemd import Systemd
+from cpuservice import __version__
+from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
+from cpuservice.host import journal, metrics, notify
+from cpuservice.host.authz import Authority
+from cpuservice.host.checkpoint import Store
+from cpuservice.host.hotplug import CPUMonitor, Debouncer
+from cpuservice.host.irqs import Kernel
+from cpuservice.host.sysfs import discover
+from cpuservice.host.systemd import Systemd
+from cpuservice.model import config
+from cpuservice.shell.engine import Engine
+from cpuservice.shell.lifetime import Lifetime
+from cpuservice.shell.ports import Events, KernelAPI, SystemdAPI
+from cpuservice.shell.service import Service
 
 log = logging.getLogger("cpuserviced")
 EXIT_CONFIG = 78

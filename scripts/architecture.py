@@ -56,6 +56,33 @@ def imports(name: str, path: Path, known: Mapping[str, Path]) -> set[str]:
     return found
 
 
+# The layers, lowest first: a module may import its own layer and the ones before it. The
+# package's top-level modules (the daemon's composition root, __main__, entry points kept at
+# earlier paths) may import anything.
+LAYERS = ("model", "placement", "apply", "host", "shell", "bus", "cli")
+
+
+def layer(name: str) -> int | None:
+    """The layer of a module: -1 for the package itself (its version), None for the top-level
+    modules."""
+    parts = name.split(".")
+    if len(parts) == 1:
+        return -1
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else None
+
+
+def upward(graph: Mapping[str, set[str]]) -> list[str]:
+    """Imports that point up the layers (or into a layer from the top-level modules' side)."""
+    out = []
+    for v, targets in sorted(graph.items()):
+        here = layer(v)
+        for w in sorted(targets):
+            there = layer(w)
+            if here is not None and (there is None or there > here):
+                out.append(f"{v} -> {w}")
+    return out
+
+
 def cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -119,19 +146,22 @@ def main(argv: list[str]) -> int:
     levels = floors(graph)
     largest = max(lines, key=lambda n: lines[n])
     over = sorted(n for n in lines if args.max_lines and lines[n] > args.max_lines)
+    wrong = upward(graph)
     if args.json:
         print(json.dumps({"modules": len(known), "largest": [largest, lines[largest]],
                           "cycles": found, "floors": max(levels.values()) + 1,
+                          "upward_imports": wrong,
                           "over": over}, indent=1))
     else:
         print(f"modules {len(known)}")
         print(f"largest {largest} {lines[largest]}")
         print(f"floors {max(levels.values()) + 1}")
         print(f"cycles {len(found)}" + "".join(f"\n  {' <-> '.join(c)}" for c in found))
+        print(f"upward_imports {len(wrong)}" + "".join(f"\n  {w}" for w in wrong))
         if args.max_lines:
             print(f"over_{args.max_lines}_lines {len(over)}"
                   + "".join(f"\n  {n} {lines[n]}" for n in over))
-    return 1 if found or over else 0
+    return 1 if found or over or wrong else 0
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ bash "$src/scripts/install-deps.sh" runtime
 lib=/usr/local/lib/cpuservice
 rm -rf "$lib" && install -d "$lib"
 cp -r "$src/cpuservice" "$lib/" && find "$lib" -name __pycache__ -prune -exec rm -rf {} +
-for tool in cpuservicectl:ctl cpuservice-run:run cpuserviced:daemon; do
+for tool in cpuservicectl:cli.ctl cpuservice-run:cli.run cpuserviced:daemon; do
     printf '#!/bin/sh\nPYTHONPATH=%s exec /usr/bin/python3 -m cpuservice.%s "$@"\n' \
         "$lib" "${tool#*:}" > "/usr/local/bin/${tool%%:*}"
     chmod 755 "/usr/local/bin/${tool%%:*}"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice.fixtures import MACHINES, SHAPES
-from cpuservice.topology import Topology
+from cpuservice.model.fixtures import MACHINES, SHAPES
+from cpuservice.model.topology import Topology
 from tests import props  # noqa: F401  (loads the hypothesis profile before any test module)
 
 
@@ -41,8 +41,8 @@ def machine(sysfs_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(autouse=True)
 def _state_files_in_pytests_tmp(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tests keep their state files in pytest's tmp_path, under /tmp, which the daemon's
-    configuration refuses (cpuservice.config.VOLATILE_DIRS; tests/unit/test_config.py checks
+    configuration refuses (cpuservice.model.config.VOLATILE_DIRS; tests/unit/test_config.py checks
     that rule with its own list)."""
-    from cpuservice import config
+    from cpuservice.model import config
 
     monkeypatch.setattr(config, "VOLATILE_DIRS", ())

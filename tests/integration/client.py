@@ -9,7 +9,7 @@ from typing import Any
 from dbus_fast import BusType, Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from cpuservice import dbuscall
+from cpuservice.host import dbuscall
 
 DEST, PATH, IFACE = "org.cpuservice1", "/org/cpuservice1", "org.cpuservice1.Manager"
 CallError = dbuscall.CallError

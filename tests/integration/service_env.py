@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from cpuservice.fixtures import write_sysfs
+from cpuservice.model.fixtures import write_sysfs
 from tests.envs.container import CHECKOUT, ContainerHost
 
 FIXTURES = "/srv/cpuservice-fixtures"
@@ -145,7 +145,7 @@ class ServiceHost:
 
     def state_file(self) -> dict[str, Any]:
         """The checkpoint's payload (snapshot and journal), as the daemon would load it."""
-        from cpuservice.checkpoint import Store
+        from cpuservice.host.checkpoint import Store
 
         return Store(self.state_path()).load() or {}
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from cpuservice import daemon as daemon_mod
-from cpuservice.journal import MESSAGE_IDS, Kind
+from cpuservice.host.journal import MESSAGE_IDS, Kind
 from tests.integration.service_env import DEST, ServiceHost, eventually
 
 DROPIN_DIR = "/etc/cpuservice/cpuservice.toml.d"

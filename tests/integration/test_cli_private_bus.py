@@ -21,12 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import config as config_mod
-from cpuservice.authz import Authority
-from cpuservice.bus_api import BUS_NAME, Bus, Manager, capture_sender
-from cpuservice.checkpoint import Store
+from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
 from cpuservice.daemon import assemble
-from cpuservice.fixtures import write_sysfs
+from cpuservice.host.authz import Authority
+from cpuservice.host.checkpoint import Store
+from cpuservice.model import config as config_mod
+from cpuservice.model.fixtures import write_sysfs
 from tests.conftest import unavailable
 from tests.unit.fake_systemd import FakeKernel, FakeSystemd
 
@@ -93,7 +93,7 @@ class PrivateService:
 
     def ctl(self, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "cpuservice.ctl", "--bus-address", self.address, *args],
+            [sys.executable, "-m", "cpuservice.cli.ctl", "--bus-address", self.address, *args],
             capture_output=True, text=True, env=self.env(**env), timeout=60)
 
 
@@ -207,7 +207,7 @@ def test_reads_are_one_call(svc: PrivateService) -> None:
 
 
 def test_watch_timestamps_property_changes_and_json(svc: PrivateService) -> None:
-    cmd = [sys.executable, "-m", "cpuservice.ctl", "--bus-address", svc.address, "watch"]
+    cmd = [sys.executable, "-m", "cpuservice.cli.ctl", "--bus-address", svc.address, "watch"]
     text = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=svc.env())
     js = subprocess.Popen([*cmd, "-j"], stdout=subprocess.PIPE, text=True, env=svc.env())
     time.sleep(2)
@@ -236,7 +236,7 @@ def test_errors_name_the_fix(svc: PrivateService, tmp_path: Path) -> None:
     nobody = svc.ctl("--bus-address", f"unix:path={tmp_path}/none", "status")
     assert nobody.returncode == 1 and "cannot reach the bus at" in nobody.stderr
     no_system = subprocess.run(
-        [sys.executable, "-m", "cpuservice.ctl", "status"], capture_output=True, text=True,
+        [sys.executable, "-m", "cpuservice.cli.ctl", "status"], capture_output=True, text=True,
         env=svc.env(DBUS_SYSTEM_BUS_ADDRESS=f"unix:path={tmp_path}/none"))
     assert no_system.returncode == 1 and "systemctl status dbus" in no_system.stderr
     svc.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(
@@ -251,7 +251,7 @@ def test_errors_name_the_fix(svc: PrivateService, tmp_path: Path) -> None:
 def test_terminal_colour_pager_and_ascii(svc: PrivateService) -> None:
     svc.ctl("allocate", "web", "2", "--bind")
     svc.ctl("allocate", "db", "1", "--bind")
-    base = [sys.executable, "-m", "cpuservice.ctl", "--bus-address", svc.address]
+    base = [sys.executable, "-m", "cpuservice.cli.ctl", "--bus-address", svc.address]
     env = svc.env(SYSTEMD_PAGER="sed s/^/PAGED:/", TERM="xterm", LANG="C.UTF-8")
     env.pop("NO_COLOR", None)
     paged = on_pty([*base, "topology"], env)

@@ -53,7 +53,7 @@ def test_host_clients_reach_the_container_bus_and_polkit(container: ContainerHos
 
 def test_checkout_is_bound_in_and_runs_on_debian_python(container: ContainerHost) -> None:
     out = container.run(
-        ["env", f"PYTHONPATH={CHECKOUT}", "/usr/bin/python3", "-m", "cpuservice.plan",
+        ["env", f"PYTHONPATH={CHECKOUT}", "/usr/bin/python3", "-m", "cpuservice.cli.plan",
          "--machine", "c", "x=4:bind"]).stdout
     assert "128 CPUs, 2 socket(s), 4 NUMA node(s), 8 L3 group(s)" in out
     assert "x: cpus=4 bound" in out

@@ -11,8 +11,8 @@ import asyncio
 import dataclasses
 from pathlib import Path
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import MACHINES, write_sysfs
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import MACHINES, write_sysfs
 from tests.integration import client
 from tests.integration.service_env import ServiceHost, eventually
 from tests.integration.test_service import allocations, bound_slice

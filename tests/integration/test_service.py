@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from cpuservice import dbuscall
-from cpuservice.cpuset import CPUSet
+from cpuservice.host import dbuscall
+from cpuservice.model.cpuset import CPUSet
 from tests.integration import client
 from tests.integration.service_env import DEST, ServiceHost, eventually
 

@@ -16,7 +16,7 @@ PARTITIONS = "python3 /payload/tests/lab/scenarios/partitions.py"
 
 TOPOLOGY = """python3 - <<'PY'
 import json
-from cpuservice.sysfs import discover
+from cpuservice.host.sysfs import discover
 t = discover("/sys")
 print(json.dumps({"cpus": len(t.cpus), "sockets": len(t.sockets), "nodes": len(t.nodes),
                   "cores": len(t.cores), "tpc": t.threads_per_core, "isolated": str(t.isolated),

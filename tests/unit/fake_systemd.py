@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.errors import SystemdFailure
-from cpuservice.partitions import State as PartitionState
-from cpuservice.units import dropin_paths
+from cpuservice.apply.partitions import State as PartitionState
+from cpuservice.apply.units import dropin_paths
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import SystemdFailure
 
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
@@ -41,7 +41,7 @@ class Write:
 
 
 class FakeSystemd:
-    """The surface cpuservice.service uses of cpuservice.systemd.Systemd."""
+    """The surface cpuservice.service uses of cpuservice.host.systemd.Systemd."""
 
     def __init__(self, units: Iterable[str] = ("cpuservice-shared.slice", *CONFINED)) -> None:
         self.units: dict[str, Unit] = {u: Unit(u) for u in units}
@@ -254,11 +254,11 @@ def empty_writes(writes: Sequence[Write], foreign: Iterable[str] = ()) -> list[W
 
 
 class FakeKernel:
-    """cpuservice.irqs.Kernel for the unit tests: the interrupt and workqueue holders are units
+    """cpuservice.host.irqs.Kernel for the unit tests: the interrupt and workqueue holders are units
     of the fake systemd, so that the timeline and its checker see them like the shared slice."""
 
     def __init__(self, systemd: FakeSystemd) -> None:
-        from cpuservice.irqs import Report
+        from cpuservice.host.irqs import Report
         self.systemd = systemd
         self.report = Report()
         self.batches: list[dict[str, CPUSet]] = []  # the holders set together, each time

@@ -11,11 +11,11 @@ from typing import Any
 from hypothesis import strategies as st
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import MACHINES, write_sysfs
-from cpuservice.pools import Allocation, Ledger, check_index, check_invariants
-from cpuservice.request import Request
-from cpuservice.topology import Topology
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import MACHINES, write_sysfs
+from cpuservice.model.pools import Allocation, Ledger, check_index, check_invariants
+from cpuservice.model.request import Request
+from cpuservice.model.topology import Topology
 
 
 def ledger_for(topology: Topology, **kw: Any) -> Ledger:

@@ -16,14 +16,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.errors import InsufficientCPUs, InvalidArgument
-from cpuservice.fixtures import Machine, write_sysfs
-from cpuservice.pools import Ledger
-from cpuservice.repair import repair
-from cpuservice.request import Request
-from cpuservice.sysfs import discover
-from cpuservice.topology import CPU, Topology
+from cpuservice.host.sysfs import discover
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import InsufficientCPUs, InvalidArgument
+from cpuservice.model.fixtures import Machine, write_sysfs
+from cpuservice.model.pools import Ledger
+from cpuservice.model.request import Request
+from cpuservice.model.topology import CPU, Topology
+from cpuservice.placement.repair import repair
 from tests.props import examples
 
 from .helpers import PLACEMENT_OPTIONS, bind, ledger_for

@@ -45,6 +45,6 @@ def test_the_check_sees_a_write(tmp_path: Path) -> None:
 
 
 def test_the_engine_has_one_apply_and_no_commit() -> None:
-    from cpuservice.engine import Engine
+    from cpuservice.shell.engine import Engine
     assert hasattr(Engine, "apply")
     assert not hasattr(Engine, "commit") and not hasattr(Engine, "sync")

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from cpuservice import placement
-from cpuservice.checkpoint import CheckpointError, Record, State, Store, from_payload
-from cpuservice.request import Request
+from cpuservice.host.checkpoint import CheckpointError, Record, State, Store, from_payload
+from cpuservice.model.request import Request
 
 from .helpers import bind, ledger_for
 
@@ -113,7 +113,7 @@ def test_a_failed_write_changes_nothing(tmp_path: Path, machine, monkeypatch) ->
     import errno
     import os
 
-    from cpuservice import checkpoint
+    from cpuservice.host import checkpoint
 
     store = Store(tmp_path / "state.json")
     state = _state(machine)
@@ -147,7 +147,7 @@ def test_a_short_write_is_a_failed_write(tmp_path: Path, machine, monkeypatch) -
     now: a named error, the journal cut back to where it was, every CPU recorded once after."""
     import os
 
-    from cpuservice import checkpoint
+    from cpuservice.host import checkpoint
 
     store = Store(tmp_path / "state.json")
     state = _state(machine)
@@ -192,7 +192,7 @@ def test_a_crash_at_every_step_of_a_snapshot_loads_one_whole_state(tmp_path: Pat
     CPUs given to another came back, and two allocations held the same CPUs (InvariantError at
     every start). Snapshot and journal are one generation now. Crash at every call of the
     snapshot write: what loads is the state before or after it, each CPU held once."""
-    from cpuservice import checkpoint
+    from cpuservice.host import checkpoint
 
     t = machine("b")
     real = {"write": checkpoint.os.write, "fsync": checkpoint.os.fsync,

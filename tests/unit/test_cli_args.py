@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import request, run
-from cpuservice.ctl import allocation_name, choices, parse, parser
-from cpuservice.ctl_output import JsonMode, cpu_time, dumps, json_mode, nulls, timespan
+from cpuservice.cli import run
+from cpuservice.cli.ctl import allocation_name, choices, parse, parser
+from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, json_mode, nulls, timespan
+from cpuservice.model import request
 
 
 @pytest.mark.parametrize("argv", [["list", "--json"], ["--json", "list"], ["-j", "list"],
@@ -82,7 +83,7 @@ def test_help_and_version(tool: str) -> None:
 
 def test_a_closed_pipe_ends_quietly() -> None:
     code = ("import sys; sys.argv = ['cpuservicectl', 'status']\n"
-            "import cpuservice.ctl as ctl\n"
+            "import cpuservice.cli.ctl as ctl\n"
             "async def run(args): raise BrokenPipeError\n"
             "ctl._run = run\n"
             "sys.exit(ctl.main(['status']))\n")
@@ -135,7 +136,7 @@ def test_run_exit_codes_of_its_own(argv: list[str], code: int, text: str,
                                    tmp_path: Path) -> None:
     (tmp_path / "plain.txt").write_text("not a program\n")
     argv = [a.format(tmp=tmp_path) for a in argv]
-    out = subprocess.run([sys.executable, "-m", "cpuservice.run", *argv], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "cpuservice.cli.run", *argv], capture_output=True,
                          text=True)
     assert out.returncode == code and text in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
@@ -150,7 +151,7 @@ def test_line_drawing_follows_the_locale(env: dict[str, str], utf8: bool,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     import io
 
-    from cpuservice.ctl_output import unicode_wanted
+    from cpuservice.cli.ctl_output import unicode_wanted
 
     for var in ("LC_ALL", "LC_CTYPE", "LANG"):
         monkeypatch.delenv(var, raising=False)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import config
-from cpuservice.cpuset import CPUSet
+from cpuservice.model import config
+from cpuservice.model.cpuset import CPUSet
 
 
 def test_defaults_when_missing(tmp_path: Path) -> None:

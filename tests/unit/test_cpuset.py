@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpuservice.cpuset import MAX_CPU_ID, MAX_TEXT, CPUSet, CPUSetError
-from cpuservice.errors import InvalidArgument
-from cpuservice.request import Request
+from cpuservice.model.cpuset import MAX_CPU_ID, MAX_TEXT, CPUSet, CPUSetError
+from cpuservice.model.errors import InvalidArgument
+from cpuservice.model.request import Request
 from tests.props import examples
 
 

@@ -1,4 +1,5 @@
-"""Discovery on the shapes real kernels write (cpuservice.fixtures.SHAPES, learned from the real
+"""Discovery on the shapes real kernels write (cpuservice.model.fixtures.SHAPES, learned from the
+real
 /sys dumps hwloc keeps as test data): masks are the truth, ids are labels, contradictions are
 resolved by the documented rules with a warning naming the file, nothing unknown becomes an id."""
 
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import MACHINES, SHAPES, Machine, Style, write_sysfs
-from cpuservice.sysfs import discover, parse_map, read
-from cpuservice.topology import Topology
+from cpuservice.host.sysfs import discover, parse_map, read
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import MACHINES, SHAPES, Machine, Style, write_sysfs
+from cpuservice.model.topology import Topology
 
 STYLES = {
     "lists": Style(),

@@ -11,10 +11,10 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import Machine, Style, write_reading
-from cpuservice.sysfs import discover
-from cpuservice.topology import CPUFacts, NodeFacts, Reading, TopologyError, resolve
+from cpuservice.host.sysfs import discover
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import Machine, Style, write_reading
+from cpuservice.model.topology import CPUFacts, NodeFacts, Reading, TopologyError, resolve
 from tests.props import examples
 from tests.unit.test_discovery import consistent
 

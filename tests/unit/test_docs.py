@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import request, run
-from cpuservice.ctl import choices, parser
+from cpuservice.cli import run
+from cpuservice.cli.ctl import choices, parser
+from cpuservice.model import request
 from tests.conftest import unavailable
 
 ROOT = Path(__file__).parents[2]
@@ -68,11 +69,12 @@ def test_cpuservice_run_documents_its_exit_codes_and_refusals() -> None:
 
 
 def test_the_api_page_names_every_error() -> None:
-    from cpuservice import errors
+    from cpuservice.model import errors
     elsewhere = [str(p) for p in (ROOT / "cpuservice").rglob("*.py")
                  if "dbus_name =" in p.read_text() and p.name != "errors.py"]
-    assert not elsewhere, f"error names belong in cpuservice/errors.py: {elsewhere}"
-    names = set(re.findall(r'dbus_name = "([\w.]+)"', (ROOT / "cpuservice/errors.py").read_text()))
+    assert not elsewhere, f"error names belong in cpuservice/model/errors.py: {elsewhere}"
+    source = (ROOT / "cpuservice/model/errors.py").read_text()
+    names = set(re.findall(r'dbus_name = "([\w.]+)"', source))
     assert names == {c.dbus_name for c in vars(errors).values()
                      if isinstance(c, type) and issubclass(c, errors.CPUServiceError)}
     text = page("org.cpuservice1.5")

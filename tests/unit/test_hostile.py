@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 from dbus_fast import Message, MessageType
 
-from cpuservice import authz, units
-from cpuservice import config as config_mod
-from cpuservice.checkpoint import Store
-from cpuservice.ctl import printable
-from cpuservice.dbuscall import NameOwner
-from cpuservice.errors import InvalidArgument, LimitExceeded, NoSuchAllocation, SystemdFailure
-from cpuservice.recovery import CONFINED_MARK
-from cpuservice.systemd import Systemd
+from cpuservice.apply import units
+from cpuservice.cli.ctl import printable
+from cpuservice.host import authz
+from cpuservice.host.checkpoint import Store
+from cpuservice.host.dbuscall import NameOwner
+from cpuservice.host.systemd import Systemd
+from cpuservice.model import config as config_mod
+from cpuservice.model.errors import InvalidArgument, LimitExceeded, NoSuchAllocation, SystemdFailure
+from cpuservice.shell.recovery import CONFINED_MARK
 from tests.unit.fake_systemd import CONFINED, Crash, Unit
 from tests.unit.test_service_fake import BIND, Host, agree, run
 
@@ -392,7 +393,7 @@ def test_a_missing_checkpoint_is_rebuilt_from_the_units(tmp_path: Path) -> None:
 
 def test_a_failed_snapshot_changes_nothing_and_the_next_start_agrees(tmp_path: Path,
                                                                      monkeypatch) -> None:
-    from cpuservice import checkpoint
+    from cpuservice.host import checkpoint
 
     async def body() -> None:
         host = Host(tmp_path)
@@ -426,7 +427,7 @@ def test_a_read_only_state_directory_still_starts_and_serves(tmp_path: Path,
     """Issue 25 item 8: startup always wrote a snapshot, so a full or read-only state
     filesystem kept the daemon from starting at all although nothing needed writing. It serves
     now, says why in its status, and refuses only the changes that need a write."""
-    from cpuservice import checkpoint
+    from cpuservice.host import checkpoint
 
     async def body() -> None:
         host = Host(tmp_path)
@@ -589,7 +590,7 @@ def test_oversized_arguments_are_refused_before_any_work() -> None:
 
     from dbus_fast import DBusError, Message, MessageType, Variant
 
-    from cpuservice.bus_objects import capture_sender
+    from cpuservice.bus.objects import capture_sender
 
     def call(member: str, signature: str, body: list[Any], path: str = "/org/cpuservice1"
              ) -> Message:
@@ -635,9 +636,9 @@ def test_log_lines_carry_their_syslog_priority() -> None:
     import logging
 
     from cpuservice.daemon import JournalFormatter
-    record = logging.LogRecord("cpuservice.engine", logging.ERROR, "x", 1, "rolled back: %s",
+    record = logging.LogRecord("cpuservice.shell.engine", logging.ERROR, "x", 1, "rolled back: %s",
                                ("why",), None)
-    assert JournalFormatter().format(record) == "<3>ERROR cpuservice.engine: rolled back: why"
+    assert JournalFormatter().format(record) == "<3>ERROR cpuservice.shell.engine: rolled back: why"
 
 
 def test_kernel_isolated_cpus_serve_bound_allocations(tmp_path: Path) -> None:
@@ -646,10 +647,10 @@ def test_kernel_isolated_cpus_serve_bound_allocations(tmp_path: Path) -> None:
     import dataclasses
 
     from cpuservice import placement
-    from cpuservice.fixtures import MACHINES, write_sysfs
-    from cpuservice.pools import Ledger
-    from cpuservice.request import Request
-    from cpuservice.sysfs import discover
+    from cpuservice.host.sysfs import discover
+    from cpuservice.model.fixtures import MACHINES, write_sysfs
+    from cpuservice.model.pools import Ledger
+    from cpuservice.model.request import Request
 
     machine = dataclasses.replace(MACHINES["lab"], isolated=frozenset(range(2, 8)))
     t = discover(write_sysfs(tmp_path, machine))

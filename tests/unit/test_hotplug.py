@@ -7,10 +7,10 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import MACHINES, write_sysfs
-from cpuservice.hotplug import Debouncer
-from cpuservice.sysfs import discover
+from cpuservice.host.hotplug import Debouncer
+from cpuservice.host.sysfs import discover
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import MACHINES, write_sysfs
 
 
 def _run(scenario, repair_seconds: float = 0.03) -> list[float]:  # type: ignore[no-untyped-def]
@@ -75,7 +75,7 @@ def test_fixture_rewrite_follows_offline_and_online(tmp_path: Path) -> None:
 
 
 def test_refresh_reads_little_and_matches_discover(tmp_path: Path) -> None:
-    from cpuservice.sysfs import refresh
+    from cpuservice.host.sysfs import refresh
 
     machine = MACHINES["c"]
     write_sysfs(tmp_path, machine)
@@ -88,7 +88,7 @@ def test_refresh_reads_little_and_matches_discover(tmp_path: Path) -> None:
 
 
 def test_refresh_falls_back_when_a_cpu_comes_back_elsewhere(tmp_path: Path) -> None:
-    from cpuservice.sysfs import refresh
+    from cpuservice.host.sysfs import refresh
 
     write_sysfs(tmp_path, dataclasses.replace(MACHINES["b"], offline=frozenset({3})))
     down = discover(tmp_path)

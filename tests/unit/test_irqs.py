@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import config as config_mod
-from cpuservice.cpuset import CPUSet
-from cpuservice.irqs import (
+from cpuservice.host.irqs import (
     IRQS,
     SET_KERNEL,
     WORKQUEUES,
@@ -24,6 +22,8 @@ from cpuservice.irqs import (
     parse_hex_mask,
     write_irqs,
 )
+from cpuservice.model import config as config_mod
+from cpuservice.model.cpuset import CPUSet
 from tests.unit.fake_systemd import Crash, FakeSystemd
 from tests.unit.test_service_fake import BIND, OPERATIONS, Host, _setup, agree, check_window, run
 
@@ -93,7 +93,7 @@ class Oneshots:
         self.fail = False
 
     async def start_transient(self, unit: str, props: dict) -> None:  # type: ignore[type-arg]
-        from cpuservice.errors import SystemdFailure
+        from cpuservice.model.errors import SystemdFailure
         argv = props["ExecStart"][1][0][1]
         script = (argv[2].replace("$$", "$").replace("/proc/irq", str(self.proc / "irq"))
                   .replace("/sys/devices", str(self.sys / "devices")))
@@ -181,7 +181,7 @@ def test_a_move_the_kernel_defers_is_reported_pending(tmp_path: Path) -> None:
 
 
 def test_a_failed_take_is_raised_and_a_failed_give_back_tried_again(tmp_path: Path) -> None:
-    from cpuservice.irqs import IsolationFailed
+    from cpuservice.host.irqs import IsolationFailed
 
     async def body() -> None:
         kernel, systemd = _kernel(tmp_path)
@@ -219,7 +219,7 @@ def test_irqbalance_is_told_its_banned_cpus(tmp_path: Path, monkeypatch) -> None
 
     thread = threading.Thread(target=serve)
     thread.start()
-    monkeypatch.setattr("cpuservice.irqs._all_cpus", lambda: CPUSet.parse("0-15"))
+    monkeypatch.setattr("cpuservice.host.irqs._all_cpus", lambda: CPUSet.parse("0-15"))
     assert Irqbalance(str(run_dir)).ban(CPUSet.parse("0-3"))
     thread.join(5)
     server.close()
@@ -266,7 +266,7 @@ def test_a_failure_or_crash_at_the_kernel_step(tmp_path: Path, op: str) -> None:
                 if holder == IRQS:
                     if crash:
                         raise Crash()
-                    from cpuservice.irqs import IsolationFailed
+                    from cpuservice.host.irqs import IsolationFailed
                     raise IsolationFailed("injected")
                 await real(holder, cpus)
 

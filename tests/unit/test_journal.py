@@ -1,4 +1,4 @@
-"""The audit trail (cpuservice.journal): the native protocol's encoding, the fields of each
+"""The audit trail (cpuservice.host.journal): the native protocol's encoding, the fields of each
 event, the socket adapter against a real datagram socket, and one event per committed change of
 the real service code (tests.unit.fake_systemd), none for a change that failed."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import journal
-from cpuservice.checkpoint import Store
 from cpuservice.daemon import assemble
-from cpuservice.errors import CPUServiceError
-from cpuservice.journal import Event, Kind
-from cpuservice.service import Service
+from cpuservice.host import journal
+from cpuservice.host.checkpoint import Store
+from cpuservice.host.journal import Event, Kind
+from cpuservice.model.errors import CPUServiceError
+from cpuservice.shell.service import Service
 from tests.unit.fake_systemd import Unit
 from tests.unit.test_service_fake import BIND, Host, run
 

@@ -1,4 +1,4 @@
-"""sd_notify (cpuservice.notify): the STATUS= line, $NOTIFY_SOCKET (paths and abstract names,
+"""sd_notify (cpuservice.host.notify): the STATUS= line, $NOTIFY_SOCKET (paths and abstract names,
 against real datagram sockets), the watchdog's interval and pings."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import notify, placement
-from cpuservice.request import Request
-from cpuservice.sysfs import discover
+from cpuservice import placement
+from cpuservice.host import notify
+from cpuservice.host.sysfs import discover
+from cpuservice.model.request import Request
 from tests.unit.helpers import ledger_for
 from tests.unit.test_service_fake import Host
 

@@ -1,4 +1,4 @@
-"""Metrics (cpuservice.metrics): the Prometheus text rendered from the real service's state
+"""Metrics (cpuservice.host.metrics): the Prometheus text rendered from the real service's state
 (tests.unit.fake_systemd) and counters, checked line by line, and the textfile writer (atomic,
 only on change, mode 0644, a missing directory skipped with one log line)."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice import metrics
-from cpuservice.service import Service
+from cpuservice.host import metrics
+from cpuservice.shell.service import Service
 from tests.unit.test_service_fake import BIND, Host, run
 
 SAMPLE = re.compile(r'([a-z_]+)(\{[^}]*\})? (-?[0-9.e+-]+|\+Inf)')
@@ -147,7 +147,7 @@ def test_textfile_coalesces_a_burst(tmp_path: Path) -> None:
 
 def test_a_missing_directory_is_skipped_with_one_line(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="cpuservice.metrics")
+    caplog.set_level(logging.INFO, logger="cpuservice.host.metrics")
     out = metrics.Textfile(str(tmp_path / "none/cpuservice.prom"), lambda: "a 1\n")
     assert not out.write() and not out.write()
     assert len(caplog.records) == 1 and "does not exist" in caplog.records[0].getMessage()

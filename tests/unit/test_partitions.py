@@ -11,15 +11,15 @@ from typing import Any
 
 import pytest
 
-from cpuservice import partitions, units
-from cpuservice.checkpoint import Store
-from cpuservice.config import validate
-from cpuservice.cpuset import CPUSet
+from cpuservice.apply import partitions, units
+from cpuservice.apply.partitions import Capabilities, State, parse_state
 from cpuservice.daemon import assemble
-from cpuservice.errors import InvalidArgument, NotSupported
-from cpuservice.fixtures import write_sysfs
-from cpuservice.partitions import Capabilities, State, parse_state
-from cpuservice.service import Service
+from cpuservice.host.checkpoint import Store
+from cpuservice.model.config import validate
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import InvalidArgument, NotSupported
+from cpuservice.model.fixtures import write_sysfs
+from cpuservice.shell.service import Service
 from tests.unit.fake_systemd import FakeSystemd, violations
 
 CAN = Capabilities("262.1-1", True, True)
@@ -249,7 +249,7 @@ def test_a_partition_cannot_be_resized_to_a_fraction(tmp_path: Path) -> None:
 
 
 def test_a_partition_ends_before_any_cpu_moves_and_starts_after_its_cpus() -> None:
-    from cpuservice.reconcile import Kind, UnitSpec, plan
+    from cpuservice.apply.reconcile import Kind, UnitSpec, plan
 
     cpus = ("ay", CPUSet([2, 3]).to_mask())
     pool = ("ay", CPUSet([0, 1, 4, 5]).to_mask())

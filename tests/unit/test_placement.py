@@ -5,10 +5,15 @@ from decimal import Decimal
 import pytest
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.errors import AllocationExists, InsufficientCPUs, InvalidArgument, NoSuchAllocation
-from cpuservice.pools import Ledger, check_invariants
-from cpuservice.request import Request
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import (
+    AllocationExists,
+    InsufficientCPUs,
+    InvalidArgument,
+    NoSuchAllocation,
+)
+from cpuservice.model.pools import Ledger, check_invariants
+from cpuservice.model.request import Request
 
 from .helpers import alloc, bind, ledger_for, nodes_of
 
@@ -82,8 +87,8 @@ def test_reserved_cpus_never_handed_out(machine) -> None:
 
 
 def test_spread_pcpus_one_thread_per_core(tmp_path) -> None:
-    from cpuservice.fixtures import Machine, write_sysfs
-    from cpuservice.sysfs import discover
+    from cpuservice.host.sysfs import discover
+    from cpuservice.model.fixtures import Machine, write_sysfs
 
     t = discover(write_sysfs(tmp_path, Machine(1, 8, 2)))  # 8 cores, 16 threads
     _, a = alloc(t, ledger_for(t), "s", bind("8", policy="spread-pcpus"))
@@ -237,8 +242,8 @@ def test_isolated_cpus_only_for_bound(machine) -> None:
 def test_capacity(machine) -> None:
     import tempfile
 
-    from cpuservice.fixtures import Machine, write_sysfs
-    from cpuservice.sysfs import discover
+    from cpuservice.host.sysfs import discover
+    from cpuservice.model.fixtures import Machine, write_sysfs
 
     t = discover(write_sysfs(tempfile.mkdtemp(), Machine(2, 2, nodes=2)))
     ledger = ledger_for(t, min_shared_cpus=0)

@@ -9,9 +9,9 @@ from enum import StrEnum
 
 import pytest
 
-from cpuservice import compat, repair
-from cpuservice.errors import InvalidArgument
-from cpuservice.request import (
+from cpuservice.model import compat
+from cpuservice.model.errors import InvalidArgument
+from cpuservice.model.request import (
     OPTION_KEYS,
     Exclusive,
     Lifetime,
@@ -22,6 +22,7 @@ from cpuservice.request import (
     Policy,
     parse_options,
 )
+from cpuservice.placement import repair
 
 VOCABULARY: dict[str, type[StrEnum]] = {
     "policy": Policy, "exclusive": Exclusive, "numa-strategy": NumaStrategy,
@@ -60,6 +61,6 @@ def test_wrong_types_are_refused() -> None:
 def test_repair_uses_only_public_placement_functions() -> None:
     tree = ast.parse(inspect.getsource(repair))
     names = [alias.name for node in ast.walk(tree)
-             if isinstance(node, ast.ImportFrom) and node.module == "placement"
+             if isinstance(node, ast.ImportFrom) and node.module == "cpuservice.placement"
              for alias in node.names]
     assert names and not [n for n in names if n.startswith("_")]

@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.errors import InsufficientCPUs
-from cpuservice.pools import Ledger
-from cpuservice.repair import repair
-from cpuservice.topology import CPU, Topology
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import InsufficientCPUs
+from cpuservice.model.pools import Ledger
+from cpuservice.model.topology import CPU, Topology
+from cpuservice.placement.repair import repair
 from tests.props import examples
 
 from .helpers import alloc, bind, ledger_for

@@ -9,12 +9,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.errors import InsufficientCPUs, InvalidArgument
-from cpuservice.pools import Ledger, check_index, check_invariants
-from cpuservice.repair import repair
-from cpuservice.request import Request
-from cpuservice.topology import Topology
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import InsufficientCPUs, InvalidArgument
+from cpuservice.model.pools import Ledger, check_index, check_invariants
+from cpuservice.model.request import Request
+from cpuservice.model.topology import Topology
+from cpuservice.placement.repair import repair
 from tests.props import examples
 
 from .helpers import PLACEMENT_OPTIONS, ledger_for

@@ -13,10 +13,10 @@ from typing import Any
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpuservice import reconcile
-from cpuservice.cpuset import CPUSet
-from cpuservice.props import Props
-from cpuservice.reconcile import UnitSpec, plan
+from cpuservice.apply import reconcile
+from cpuservice.apply.reconcile import UnitSpec, plan
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.props import Props
 from tests.props import examples
 from tests.unit.fake_systemd import FakeSystemd, Unit
 from tests.unit.fake_systemd import violations as fake_violations

@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.pools import check_invariants
-from cpuservice.repair import repair
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.pools import check_invariants
+from cpuservice.placement.repair import repair
 
 from .helpers import alloc, bind, ledger_for, nodes_of
 

@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cpuservice import config as config_mod
-from cpuservice.checkpoint import Store
-from cpuservice.cpuset import CPUSet
 from cpuservice.daemon import assemble
-from cpuservice.errors import CPUServiceError, SystemdFailure
-from cpuservice.fixtures import MACHINES, write_sysfs
-from cpuservice.pools import check_invariants
-from cpuservice.service import Service
+from cpuservice.host.checkpoint import Store
+from cpuservice.model import config as config_mod
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import CPUServiceError, SystemdFailure
+from cpuservice.model.fixtures import MACHINES, write_sysfs
+from cpuservice.model.pools import check_invariants
+from cpuservice.shell.service import Service
 from tests.props import examples
 from tests.unit.fake_systemd import (
     Crash,
@@ -387,7 +387,7 @@ def test_a_full_disk_is_a_named_error_and_changes_nothing(tmp_path: Path, monkey
     import errno
     import os
 
-    from cpuservice import checkpoint
+    from cpuservice.host import checkpoint
 
     async def body() -> None:
         host = Host(tmp_path)
@@ -416,8 +416,8 @@ def test_foreign_units_are_restored_from_the_checkpoint_without_the_daemon(tmp_p
                                                                           ) -> None:
     """Issue 25, seen by the review: removing the package while the daemon was down left
     unit= allocations' units with cpuservice's values (their saved values are only in the
-    checkpoint). cpuservice.restore (debian prerm) gives them back from the checkpoint alone."""
-    from cpuservice.restore import restore
+    checkpoint). cpuservice.cli.restore (debian prerm) gives them back from the checkpoint alone."""
+    from cpuservice.cli.restore import restore
 
     async def body() -> None:
         host = Host(tmp_path)

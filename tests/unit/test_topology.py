@@ -3,9 +3,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import write_sysfs
-from cpuservice.sysfs import discover
+from cpuservice.host.sysfs import discover
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import write_sysfs
 
 
 def test_single_socket_no_smt(machine) -> None:

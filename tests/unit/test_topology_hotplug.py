@@ -9,10 +9,10 @@ from pathlib import Path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cpuservice.cpuset import CPUSet
-from cpuservice.fixtures import MACHINES, write_sysfs
-from cpuservice.sysfs import discover, refresh
-from cpuservice.topology import Topology
+from cpuservice.host.sysfs import discover, refresh
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.fixtures import MACHINES, write_sysfs
+from cpuservice.model.topology import Topology
 from tests.props import examples
 from tests.unit.helpers import HOTPLUG_STATES, write_hotplug_state
 
@@ -144,11 +144,11 @@ def test_a_file_the_kernel_refuses_to_read_is_a_cpu_in_transition(tmp_path: Path
 def test_refresh_on_real_machine_shapes_matches_discover(
     tmp_path_factory, shape: str, steps: list[frozenset[int]]
 ) -> None:
-    """Hotplug on the shapes of cpuservice.fixtures.SHAPES: refresh() agrees with a full
+    """Hotplug on the shapes of cpuservice.model.fixtures.SHAPES: refresh() agrees with a full
     discover() given the same previous reading, and ends where a fresh discovery is."""
     import dataclasses
 
-    from cpuservice.fixtures import SHAPES
+    from cpuservice.model.fixtures import SHAPES
 
     root = tmp_path_factory.mktemp("shape")
     machine = SHAPES[shape]

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from cpuservice import placement
-from cpuservice.cpuset import CPUSet
-from cpuservice.pools import Ledger
-from cpuservice.request import Request
-from cpuservice.topoview import Pools, Style, render
+from cpuservice.cli.topoview import Pools, Style, render
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.pools import Ledger
+from cpuservice.model.request import Request
 
 GOLDEN = Path(__file__).parent / "golden"
 SCENES = {
@@ -144,7 +144,7 @@ def test_offline_and_isolated(machine) -> None:
 
 
 def test_the_planner_draws_the_same_picture(machine, capsys) -> None:  # type: ignore[no-untyped-def]
-    from cpuservice import plan
+    from cpuservice.cli import plan
 
     steps = [f"{n}={c}" + (":bind" if b else "") for n, c, b in SCENES["a"][1]]
     assert plan.main(["--machine", "a", *steps, "--draw"]) == 0

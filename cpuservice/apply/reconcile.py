@@ -1,0 +1,361 @@
+"""The reconcile transaction: from the units systemd holds before a change and the units it must
+hold after it, the ordered systemd operations, each with its undo. Pure; ``execute`` runs one
+through a three-method effector and undoes what was done, in reverse, when a step fails.
+
+Every path that changes systemd goes through here: requests, their rollbacks, startup recovery,
+Revalidate and hotplug repair. The ordering rule, stated once:
+
+    At no instant may a CPU that is exclusive (a whole CPU of a bound allocation, before or
+    after the change) be in the AllowedCPUs of two units, and no cpuset partition may cover
+    CPUs it is not meant to have. So, in this order:
+      0. a slice that stops being a partition (CPUSetPartition -> member) does so first, alone,
+         before any AllowedCPUs moves;
+      1. every unit that loses CPUs shrinks to the CPUs it keeps: the shared pool's holders
+         (the shared slice, confined host units, foreign units that follow the pool) as much
+         as bound units;
+      2. units that are no longer ours are stopped (our slices) or restored (foreign units);
+      3. units that gain CPUs get them, and every other property that changed; new units
+         start. A unit that moves to CPUs another unit still holds waits for that unit. A
+         slice that becomes a partition gets its AllowedCPUs first and its partition after.
+         Units that wait for each other (two that swap CPUs, a longer cycle) pass through the
+         non-exclusive CPUs (the shared pool's): one of them moves there first (a partition
+         stops being one before), the others follow, it goes last.
+    An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
+    a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
+    Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
+Undo obeys the same rule: each operation's undo writes what the unit held just before that
+operation (not before the whole change), so undoing newest first passes back through the
+states doing went through; undoing the adoption of a foreign unit is a restore.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.props import Props
+
+log = logging.getLogger(__name__)
+
+CPUS = "AllowedCPUs"
+PARTITION = "CPUSetPartition"
+NOT_PARTITION = ("", "member")
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit as cpuservice wants systemd to hold it. ``own``: a transient slice cpuservice
+    starts and stops; otherwise an existing unit whose properties it only sets, and sets back to
+    ``restore`` when the unit is no longer cpuservice's."""
+
+    props: Props
+    own: bool = True
+    restore: Props = field(default_factory=dict)
+    forget: tuple[str, ...] = ()  # runtime overrides of a foreign unit to remove on restore
+
+    @property
+    def cpus(self) -> CPUSet | None:
+        """The AllowedCPUs this unit is given (None: not set, it inherits its parent's)."""
+        value = self.props.get(CPUS)
+        return None if value is None else CPUSet.from_mask(bytes(value[1]))
+
+
+Units = Mapping[str, UnitSpec]
+
+
+class Kind(StrEnum):
+    START = "start"  # StartTransientUnit with props; undo: stop
+    SET = "set"  # SetUnitProperties props; undo: set undo_props
+    STOP = "stop"  # StopUnit; undo: start again with undo_props
+    RESTORE = "restore"  # SetUnitProperties of a foreign unit's saved values, then remove the
+    # runtime overrides cpuservice made where the unit had none (forget); undo: set undo_props
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: Kind
+    unit: str
+    props: Props = field(default_factory=dict)
+    undo_props: Props = field(default_factory=dict)
+    forget: tuple[str, ...] = ()
+    adopt: bool = False  # a SET that makes a foreign unit cpuservice's: undone by a RESTORE
+    keep: bool = False  # never undone (an Attach scope: stopping it would kill what it holds)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
+
+
+@dataclass(frozen=True)
+class Transaction:
+    ops: tuple[Op, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.ops)
+
+
+def _show(props: Props) -> str:
+    parts = []
+    for name, (sig, value) in props.items():
+        shown = CPUSet.from_mask(bytes(value)).format() if sig == "ay" else value
+        parts.append(f"{name}={shown}")
+    return " ".join(parts)
+
+
+def _mask(cpus: CPUSet) -> tuple[str, bytes]:
+    return ("ay", cpus.to_mask())
+
+
+def _same(sig: str, a: Any, b: Any) -> bool:
+    if sig == "ay":
+        return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b))
+    return bool(a == b)
+
+
+def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
+    out = {}
+    for name, (sig, value) in want.items():
+        current = have.get(name)
+        if current is None or not _same(sig, value, current[1]):
+            out[name] = (sig, value)
+    return out
+
+
+def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
+    """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
+    that are whole CPUs of a bound allocation before or after (the ones the rule protects);
+    units are otherwise allowed to share CPUs (the shared pool, fragment CPUs)."""
+    ops: list[Op] = []
+    holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
+    # what each unit holds just before each step: an operation's undo writes back these values,
+    # not the ones from before the whole change, so that undoing in reverse passes through the
+    # same states as doing (and keeps the ordering rule)
+    now: dict[str, UnitSpec] = dict(before)
+
+    def shrunk(unit: str, keep: CPUSet) -> None:
+        now[unit] = replace(now[unit], props={**now[unit].props, CPUS: _mask(keep)})
+
+    # 0. partitions that end, alone, before any CPU moves
+    ending: dict[str, UnitSpec] = {}
+    for unit in sorted(before.keys() & after.keys()):
+        had, gets = before[unit].props.get(PARTITION), after[unit].props.get(PARTITION)
+        if had and gets and had[1] not in NOT_PARTITION and gets[1] in NOT_PARTITION:
+            ops.append(Op(Kind.SET, unit, {PARTITION: gets}, {PARTITION: had}))
+            ending[unit] = replace(before[unit], props={**before[unit].props, PARTITION: gets})
+    before = {**before, **ending}
+    now.update(ending)
+
+    # 1. shrink: every unit kept loses what it does not keep
+    for unit in sorted(before.keys() & after.keys()):
+        was, will = before[unit].cpus, after[unit].cpus
+        if was is None or will is None or was <= will:
+            continue
+        keep = was & will
+        if keep:
+            ops.append(Op(Kind.SET, unit, {CPUS: _mask(keep)}, {CPUS: _mask(was)}))
+            holding[unit] = keep
+            shrunk(unit, keep)
+
+    # 2. units that are no longer ours
+    for unit in sorted(before.keys() - after.keys()):
+        spec = now[unit]
+        if spec.own:
+            ops.append(Op(Kind.STOP, unit, {}, spec.props))
+        else:
+            current = {k: spec.props[k] for k in spec.restore if k in spec.props}
+            ops.append(Op(Kind.RESTORE, unit, spec.restore, current, spec.forget))
+        holding.pop(unit, None)
+
+    # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
+    # not yet handled still holds waits until that one has moved
+    pending = sorted(after)
+    mentioned = CPUSet.union_all(c for spec in (*before.values(), *after.values())
+                                 if (c := spec.cpus) is not None)
+    parking = mentioned - exclusive  # CPUs any unit may hold for a moment (the shared pool's)
+    while pending:
+        ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
+        if not ready:
+            # units that swap CPUs, or a longer cycle: one of them moves to the parking CPUs
+            # first (a partition stops being one before), the others follow, it last
+            parked = _park(pending, after, now, holding, exclusive, parking)
+            if parked is None:
+                log.error("reconcile: units %s wait for each other's CPUs and no CPU is free "
+                          "to pass through; applying in name order", ", ".join(pending))
+                ready = list(pending)
+            else:
+                ops.extend(parked)
+                continue
+        for unit in ready:
+            pending.remove(unit)
+            ops.extend(_final(unit, now.get(unit), after[unit]))
+            will = after[unit].cpus
+            if will is None:
+                holding.pop(unit, None)
+            else:
+                holding[unit] = will
+    return Transaction(tuple(ops))
+
+
+def _park(pending: Sequence[str], after: Units, now: dict[str, UnitSpec],
+          holding: dict[str, CPUSet], exclusive: CPUSet, parking: CPUSet) -> list[Op] | None:
+    """Break a cycle of units waiting for each other's exclusive CPUs: the first unit that holds
+    exclusive CPUs another one waits for (one that is not a partition, when there is one) moves
+    to ``parking`` (non-exclusive CPUs); ``now`` and ``holding`` follow. None: nothing to
+    park on."""
+    if not parking:
+        return None
+
+    def waited_for(unit: str) -> bool:
+        held = holding[unit] & exclusive
+        return any(v != unit and (after[v].cpus or EMPTY) & held for v in pending)
+
+    blocking = [u for u in pending if u in holding and waited_for(u)]
+    if not blocking:
+        return None
+    unit = next((u for u in blocking if not _is_partition(now[u])), blocking[0])
+    ops = []
+    had = now[unit].props
+    if _is_partition(now[unit]):
+        ops.append(Op(Kind.SET, unit, {PARTITION: ("s", "member")}, {PARTITION: had[PARTITION]}))
+        had = {**had, PARTITION: ("s", "member")}
+    ops.append(Op(Kind.SET, unit, {CPUS: _mask(parking)}, {CPUS: had[CPUS]}))
+    now[unit] = replace(now[unit], props={**had, CPUS: _mask(parking)})
+    holding[unit] = parking
+    return ops
+
+
+def _is_partition(spec: UnitSpec) -> bool:
+    value = spec.props.get(PARTITION)
+    return value is not None and value[1] not in NOT_PARTITION
+
+
+def _waits(unit: str, will: CPUSet | None, pending: Sequence[str], holding: Mapping[str, CPUSet],
+           exclusive: CPUSet) -> bool:
+    if will is None or not will & exclusive:
+        return False
+    return any(u != unit and u in holding and holding[u] & will & exclusive for u in pending)
+
+
+def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:
+    if before is None:
+        if after.own:
+            return [Op(Kind.START, unit, after.props)]
+        return [Op(Kind.SET, unit, after.props, after.restore, after.forget, adopt=True)]
+    if before.own != after.own:
+        stop_or_restore = (Op(Kind.STOP, unit, {}, before.props) if before.own
+                           else Op(Kind.RESTORE, unit, before.restore, before.props,
+                                   before.forget))
+        return [stop_or_restore, *_final(unit, None, after)]
+    diff = _differs(after.props, before.props)
+    if not diff:
+        return []
+    becomes = diff.get(PARTITION)
+    if becomes and becomes[1] not in NOT_PARTITION and len(diff) > 1:
+        rest = {k: v for k, v in diff.items() if k != PARTITION}
+        return [Op(Kind.SET, unit, rest, {k: before.props[k] for k in rest if k in before.props}),
+                Op(Kind.SET, unit, {PARTITION: becomes},
+                   {PARTITION: before.props.get(PARTITION, ("s", "member"))})]
+    undo = {k: before.props[k] for k in diff if k in before.props}
+    return [Op(Kind.SET, unit, diff, undo)]
+
+
+class Effector(Protocol):
+    """The systemd calls a transaction is made of."""
+
+    async def start_transient(self, unit: str, props: Props) -> None: ...
+
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None: ...
+
+    async def stop(self, unit: str) -> None: ...
+
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None: ...
+
+
+@runtime_checkable
+class Batching(Effector, Protocol):
+    """An effector that sets some units together: consecutive SETs of such units run as one
+    call (the kernel's interrupts and workqueues are written by one oneshot)."""
+
+    def batched(self, unit: str) -> bool: ...
+
+    async def set_many(self, writes: Mapping[str, Props]) -> None: ...
+
+
+def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
+    """The operations as the effector runs them: one each, or consecutive batched SETs of
+    distinct units together."""
+    out: list[list[Op]] = []
+    batched = effector.batched if isinstance(effector, Batching) else lambda unit: False
+
+    def joins(op: Op, group: list[Op]) -> bool:
+        return (op.kind is Kind.SET and batched(op.unit) and group[0].kind is Kind.SET
+                and batched(group[0].unit) and all(o.unit != op.unit for o in group))
+
+    for op in ops:
+        if out and joins(op, out[-1]):
+            out[-1].append(op)
+        else:
+            out.append([op])
+    return out
+
+
+async def run_op(effector: Effector, op: Op) -> None:
+    if op.kind is Kind.START:
+        await effector.start_transient(op.unit, op.props)
+    elif op.kind is Kind.STOP:
+        await effector.stop(op.unit)
+    elif op.kind is Kind.RESTORE:
+        await effector.set_properties(op.unit, op.props, missing_ok=True)
+        if op.forget:
+            await effector.remove_overrides(op.unit, op.forget)
+    elif op.props:
+        await effector.set_properties(op.unit, op.props)
+
+
+def inverse(op: Op) -> Op | None:
+    if op.keep:
+        return None
+    if op.kind is Kind.START:
+        return Op(Kind.STOP, op.unit)
+    if op.kind is Kind.STOP:
+        return Op(Kind.START, op.unit, op.undo_props) if op.undo_props else None
+    if op.adopt:  # the unit goes back to its owner: its own values, its overrides removed
+        return Op(Kind.RESTORE, op.unit, op.undo_props, forget=op.forget)
+    return Op(Kind.SET, op.unit, op.undo_props) if op.undo_props else None
+
+
+class Failed(Exception):
+    """A step failed; the steps done before it were undone (``clean``) or some undo failed."""
+
+    def __init__(self, cause: Exception, step: Op, clean: bool) -> None:
+        super().__init__(str(cause))
+        self.cause, self.step, self.clean = cause, step, clean
+
+
+async def execute(tx: Transaction, effector: Effector) -> None:
+    """Run the operations in order; when one fails, undo the ones done, newest first, and raise
+    Failed. (A crash, BaseException, leaves what was done: startup reconciles it.)"""
+    done: list[Op] = []
+    for group in groups(tx.ops, effector):
+        op = group[0]
+        try:
+            if len(group) > 1 and isinstance(effector, Batching):
+                await effector.set_many({o.unit: o.props for o in group})
+            else:
+                await run_op(effector, op)
+        except Exception as exc:
+            log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
+            clean = True
+            for earlier in reversed(done):
+                undo = inverse(earlier)
+                try:
+                    if undo is not None:
+                        await run_op(effector, undo)
+                except Exception as again:
+                    log.error("undo of '%s' failed: %s", earlier, again)
+                    clean = False
+            raise Failed(exc, op, clean) from exc
+        done.extend(group)

@@ -1,0 +1,123 @@
+"""What systemd must hold for a state: one UnitSpec per unit, for the shared pool's holders and
+for each allocation. Pure; memoized by identity (an unchanged allocation keeps its Allocation and
+Record objects), so a change costs what it touches, not what exists."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
+
+from cpuservice import placement
+from cpuservice.apply import partitions, units
+from cpuservice.apply.reconcile import UnitSpec
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.pools import Allocation, Ledger
+from cpuservice.model.request import Request
+from cpuservice.model.state import Record, State
+from cpuservice.model.topology import Topology
+
+
+def own_slice(record: Record) -> bool:
+    """Whether the allocation has its own slice (foreign units never start with cpuservice)."""
+    return units.is_own(record.unit)
+
+
+def partition_of_request(request: Request) -> str:
+    """The cpuset partition a request's slice is made (``none``: not a partition)."""
+    return str(request.options.partition)
+
+
+def partition_of(a: Allocation) -> str:
+    return partition_of_request(a.request)
+
+
+def partition_mode(a: Allocation, ledger: Ledger) -> str:
+    """The partition the allocation's slice is made, on the CPUs it holds (partitions.mode)."""
+    return partitions.mode(partition_of(a), set(a.held.ids), set(ledger.isolated.ids))
+
+
+def follows_shared(a: Allocation, own: bool) -> bool:
+    """Whether an allocation's unit properties change with the shared pool."""
+    if a.bound:
+        return not a.held  # degraded to nothing: it runs on the shared pool
+    return a.request.options.memory_nodes or not own
+
+
+class Targets:
+    def __init__(self, confine_host: bool, kernel_holders: tuple[str, ...] = ()) -> None:
+        self.shared_units = (units.SHARED, *(units.CONFINED if confine_host else ()),
+                             *kernel_holders)
+        self._cache: dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]] = {}
+        self._followers: set[str] = set()  # allocations whose unit follows the shared pool
+        # systemd knows CPUSetPartition (>= 261): otherwise a partition recorded earlier (a
+        # checkpoint from before a downgrade) is a plain slice: systemd would refuse the property
+        self.partitions = True
+
+    def set_partitions(self, known: bool) -> None:
+        if known != self.partitions:
+            self.partitions = known
+            self._cache.clear()
+
+    def specs(self, topology: Topology, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
+        """The shared pool's holders and the named allocations' units."""
+        out = {u: UnitSpec(units.shared_props(state.ledger.shared), own=False)
+               for u in self.shared_units}
+        for name in names:
+            if name in state.ledger.allocations:
+                record = state.records.get(name, Record())
+                out[record.unit] = self.spec(topology, state, name)
+        return out
+
+    def spec(self, topology: Topology, state: State, name: str) -> UnitSpec:
+        a = state.ledger.allocations[name]
+        record = state.records.get(name, Record())
+        own = own_slice(record)
+        follows = follows_shared(a, own)
+        shared = state.ledger.shared if follows else None
+        hit = self._cache.get(name)
+        if hit is not None and hit[0] is a and hit[1] is record and hit[2] == shared:
+            return hit[3]
+        p = placement.describe(topology, state.ledger, a)
+        props = units.allocation_props(p, a.bound, a.request.options.memory_nodes, not own,
+                                       partition_mode(a, state.ledger)
+                                       if own and self.partitions else partitions.NONE,
+                                       bool(a.held))
+        if own:
+            props = {**props, "Description": (
+                "s", units.describe(name, units.description_fields(a, record)))}
+        spec = UnitSpec(props, own, {} if own else record.saved, () if own else record.fresh)
+        self._cache[name] = (a, record, shared, spec)
+        if follows:
+            self._followers.add(name)
+        else:
+            self._followers.discard(name)
+        return spec
+
+    def changed(self, old: State, new: State, touched: AbstractSet[str] | None) -> set[str]:
+        """Allocations whose units may differ between two states (``touched``: the ones the
+        change is about; None: compare them all)."""
+        if touched is None:
+            names = {
+                n for n in old.ledger.allocations.keys() | new.ledger.allocations.keys()
+                if old.ledger.allocations.get(n) is not new.ledger.allocations.get(n)
+                or old.records.get(n) is not new.records.get(n)
+            }
+        else:
+            names = set(touched)
+        if old.ledger.shared != new.ledger.shared:
+            names |= self._followers & new.ledger.allocations.keys()
+        return names
+
+    def memo(self) -> tuple[dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]],
+                            set[str]]:
+        """What restore() puts back: the specs known and the followers, as they are now."""
+        return dict(self._cache), set(self._followers)
+
+    def restore(self, memo: tuple[dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]],
+                                  set[str]]) -> None:
+        """Back to memo(): a change systemd did not accept leaves nothing of itself here."""
+        self._cache, self._followers = dict(memo[0]), set(memo[1])
+
+    def forget(self, name: str) -> None:
+        self._cache.pop(name, None)
+        self._followers.discard(name)

@@ -1,0 +1,1 @@
+"""The D-Bus API: org.cpuservice1.Manager and the Allocation objects."""

@@ -1,0 +1,372 @@
+"""The D-Bus face of the service: org.cpuservice1.Manager at /org/cpuservice1 (the methods,
+the pools' properties and signals, the ObjectManager's signals); it is the service's Events sink.
+The allocation objects and the error boundary are in bus_objects.
+(No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
+"""
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from dbus_fast import Message, PropertyAccess, Variant
+from dbus_fast.aio import MessageBus
+from dbus_fast.service import ServiceInterface, dbus_property, method, signal
+
+from cpuservice import __version__
+from cpuservice.apply import views
+from cpuservice.apply.units import NO_QUOTA
+from cpuservice.bus.objects import (
+    ALLOCATION_SIGNATURES,
+    BUS_NAME,
+    PATH,
+    Allocation,
+    Bus,
+    boundary,
+    capture_sender,
+    current_call,
+    path_of,
+    plain_options,
+)
+from cpuservice.host import dbuscall, journal
+from cpuservice.host.authz import (
+    ALLOCATE,
+    MANAGE,
+    Authority,
+    BusyError,
+    PidHandles,
+    RateLimit,
+    may_move,
+)
+from cpuservice.model.errors import (
+    AccessDenied,
+    CPUServiceError,
+    InvalidArgument,
+    LimitExceeded,
+    NoSuchAllocation,
+)
+from cpuservice.shell.service import Service
+
+__all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
+log = logging.getLogger(__name__)
+
+
+class Manager(ServiceInterface):
+    """org.cpuservice1.Manager; also the service's Events sink."""
+
+    def __init__(self, service: Service, bus: MessageBus, authority: Authority) -> None:
+        super().__init__("org.cpuservice1.Manager")
+        self.service = service
+        self.bus = bus
+        self.authority = authority
+        self.objects: dict[str, Allocation] = {}
+        self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self._uids: OrderedDict[str, int] = OrderedDict()
+        self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
+        service.events = self
+
+    def export_all(self) -> None:
+        self.bus.export(PATH, self)
+        for name in self.service.ledger.allocations:
+            if name not in self.objects:  # an event during startup may have exported it
+                self._export(name)
+
+    def _export(self, name: str) -> Allocation:
+        obj = Allocation(self, name)
+        self.objects[name] = obj
+        self.bus.export(path_of(name), obj)
+        return obj
+
+    async def authorize(self, action: str) -> int:
+        """The caller's uid, once polkit allows ``action`` (uid 0 needs no asking)."""
+        uid = await self._caller_uid()
+        sender, interactive = current_call.get()
+        await self.authority.check(sender, uid, action, interactive)
+        journal.CALLER.set(uid)  # the audit trail names who asked (this call's task only)
+        return uid
+
+    async def authorize_for(self, name: str) -> tuple[int, int]:
+        """Work on an existing allocation: allocate for one's own, manage for anyone's.
+        Returns the caller's uid and the allocation's serial: the service acts only if the
+        name still means that allocation once it holds its lock."""
+        serial = self.service.serial(name)
+        owner = self.service.record(name).owner
+        uid = await self._caller_uid()
+        return await self.authorize(ALLOCATE if owner == uid else MANAGE), serial
+
+    async def count_change(self, uid: int) -> None:
+        """One more change by ``uid`` (RateLimit); LimitExceeded past the limit, unless the
+        caller is exempt (root, manage)."""
+        if uid == 0:
+            return
+        try:
+            self.rate.take(uid)
+        except BusyError as exc:
+            if not await self.exempt(uid):
+                raise LimitExceeded(str(exc)) from None
+
+    async def exempt(self, uid: int) -> bool:
+        """Whether the per-user limits spare this caller: root, or a holder of manage
+        (asked without interaction: a limit is no reason to prompt)."""
+        if uid == 0:
+            return True
+        try:
+            await self.authority.check(current_call.get()[0], uid, MANAGE, False)
+        except CPUServiceError:
+            return False
+        return True
+
+    async def _caller_uid(self) -> int:
+        """The caller's uid from the bus (unique names are never reused: cache them)."""
+        sender = current_call.get()[0]
+        if not sender:  # only a peer-to-peer connection has none: not the system bus's word
+            raise AccessDenied("a call that names no sender is not accepted")
+        if sender in self._uids:
+            return self._uids[sender]
+        try:
+            (uid,) = await dbuscall.call(self.bus, *dbuscall.BUS, "GetConnectionUnixUser", "s",
+                                         [sender])
+        except dbuscall.CallError:
+            raise AccessDenied("the caller's uid is unknown") from None
+        self._uids[sender] = int(uid)
+        while len(self._uids) > 4096:
+            self._uids.popitem(last=False)
+        return self._uids[sender]
+
+    # ---- Events ----
+
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
+        self._export(name)
+        self.AllocationAdded(name, path_of(name))
+        body = {k: Variant(ALLOCATION_SIGNATURES[k], v) for k, v in values.items()}
+        self._object_manager("InterfacesAdded", "oa{sa{sv}}",
+                             [path_of(name), {"org.cpuservice1.Allocation": body}])
+
+    def allocation_removed(self, name: str) -> None:
+        self.objects.pop(name, None)
+        self._values.pop(name, None)
+        self.bus.unexport(path_of(name))
+        self.AllocationRemoved(name, path_of(name))
+        self._object_manager("InterfacesRemoved", "oas",
+                             [path_of(name), ["org.cpuservice1.Allocation"]])
+
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
+        obj = self.objects.get(name) or self._export(name)
+        if changed:
+            obj.emit_properties_changed(dict(changed))
+        self.AllocationChanged(name, path_of(name), reason)
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        self.PoolsChanged(shared, exclusive, fragment)
+
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
+        self.emit_properties_changed(dict(changed), list(invalidated))
+
+    def _object_manager(self, member: str, signature: str, body: list[Any]) -> None:
+        self.bus.send(Message.new_signal(PATH, "org.freedesktop.DBus.ObjectManager", member,
+                                         signature, body))
+
+    # ---- methods ----
+
+    @method()
+    @boundary
+    async def Allocate(self, name: "s", cpus: "s", options: "a{sv}") -> "o":
+        # a kernel partition keeps every other process of the host off its CPUs: the host's
+        # administrator's call, like explicit CPUs and foreign units
+        partition = options.get("partition")
+        admin = "cpuset" in options or "unit" in options or (
+            partition is not None and getattr(partition, "value", None) != "none")
+        owner = await self.authorize(MANAGE if admin else ALLOCATE)
+        await self.count_change(owner)
+        opts = plain_options(options)
+        try:
+            await self.service.allocate(name, cpus, opts, owner, limited=not admin and owner != 0)
+        except LimitExceeded:
+            if admin or not await self.exempt(owner):
+                raise
+            await self.service.allocate(name, cpus, opts, owner)
+        return path_of(name)
+
+    @method()
+    @boundary
+    async def Release(self, name: "s") -> None:
+        await self.release_as_caller(name)
+
+    async def release_as_caller(self, name: str) -> None:
+        """Release, for the caller of this call (Manager.Release, Allocation.Release)."""
+        uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
+        await self.service.release(name, serial=serial)
+
+    def allocation_values(self, name: str) -> dict[str, Any]:
+        """All properties of an allocation, from the service's current state. Computed once
+        per state (the state and the topology are replaced, never changed, on every change):
+        GetAll and GetManagedObjects read every property of every allocation one at a time."""
+        service = self.service
+        key = (service.state, service.topology, service.engine.partition_report(name))
+        cached = self._values.get(name)
+        if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
+            cached = self._values[name] = (key, views.allocation(service.topology,
+                                                                 service.state, name, key[2]))
+        return cached[1]
+
+    @method()
+    @boundary
+    async def Resize(self, name: "s", cpus: "s") -> None:
+        uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
+        try:
+            await self.service.resize(name, cpus, serial, limited=uid != 0)
+        except LimitExceeded:
+            if not await self.exempt(uid):
+                raise
+            await self.service.resize(name, cpus, serial)
+
+    @method()
+    @boundary
+    async def Plan(self, cpus: "s", options: "a{sv}") -> "a{sv}":
+        p = self.service.plan(cpus, plain_options(options))
+        quota = NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec
+        return {
+            "cpuset": Variant("s", p.cpus.format()),
+            "shares": Variant("a{uu}", dict(p.shares)),
+            "cpu-quota-per-sec-usec": Variant("t", quota),
+            "cpu-weight": Variant("t", p.cpu_weight),
+            "memory-nodes": Variant("s", p.memory_nodes.format()),
+            "whole": Variant("s", p.whole.format()),
+            "fragment-cpu": Variant("i", p.fragment.cpu if p.fragment else -1),
+        }
+
+    @method()
+    @boundary
+    async def Capacity(self, cpus: "s", options: "a{sv}") -> "u":
+        return self.service.capacity(cpus, plain_options(options))
+
+    @method()
+    @boundary
+    async def ListAllocations(self) -> "a(ssbso)":
+        out = []
+        for name in sorted(self.service.ledger.allocations):
+            a = self.service.allocation(name)
+            cpus = self.service.placement_of(name).cpus.format()
+            out.append([name, str(a.request.cpus), a.bound, cpus, path_of(name)])
+        return out
+
+    @method()
+    @boundary
+    async def GetAllocation(self, name: "s") -> "o":
+        if name not in self.service.ledger.allocations:
+            raise NoSuchAllocation(f"no allocation named {name!r}")
+        return path_of(name)
+
+    @method()
+    @boundary
+    async def Attach(self, name: "s", pids: "au") -> "s":
+        uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
+        try:
+            handles = PidHandles(list(pids))
+        except LookupError as exc:
+            raise InvalidArgument(str(exc)) from None
+        except BusyError as exc:
+            raise LimitExceeded(str(exc)) from None
+        try:
+            if uid != 0:
+                mine = {self.service.record(n).unit for n in self.service.ledger.allocations
+                        if self.service.record(n).owner == uid}
+                try:
+                    foreign = [p for p in handles.pids if not may_move(p, uid, mine)]
+                except LookupError as exc:
+                    raise InvalidArgument(str(exc)) from None
+                if foreign:  # another user's process, or one of a unit that is not the caller's
+                    await self.authorize(MANAGE)
+            unit = await self.service.attach(name, handles.pids, serial)
+            if not handles.all_alive():
+                log.warning("a process attached to %s exited during the move; its PID may "
+                            "have been reused (systemd 252 takes PIDs, not pidfds)", name)
+            return unit
+        finally:
+            handles.close()
+
+    @method()
+    @boundary
+    async def Revalidate(self) -> None:
+        await self.authorize(MANAGE)
+        await self.service.revalidate()
+
+    # ---- properties ----
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Version(self) -> "s":
+        return __version__
+
+    @dbus_property(access=PropertyAccess.READ)
+    def OnlineCPUs(self) -> "s":
+        return self.service.ledger.online.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ReservedCPUs(self) -> "s":
+        return self.service.ledger.reserved.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def IsolatedCPUs(self) -> "s":
+        return self.service.ledger.isolated.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def SharedCPUs(self) -> "s":
+        return self.service.ledger.shared.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def ExclusiveCPUs(self) -> "s":
+        return self.service.ledger.exclusive.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def FragmentCPUs(self) -> "s":
+        return self.service.ledger.fragment.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Granularity(self) -> "u":
+        return self.service.ledger.granularity
+
+    @dbus_property(access=PropertyAccess.READ)
+    def IRQIsolation(self) -> "a{sv}":
+        kernel = self.service.engine.kernel
+        report = kernel.report if kernel is not None else None
+        enabled = self.service.config.isolate_irqs
+        return {
+            "enabled": Variant("b", enabled),
+            "cpus": Variant("s", report.cpus.format() if report and enabled else ""),
+            "confined": Variant("au", list(report.confined) if report and enabled else []),
+            "unmovable": Variant("au", list(report.unmovable) if report and enabled else []),
+            "pending": Variant("au", list(report.pending) if report and enabled else []),
+            "irqbalance": Variant("b", bool(report and enabled and report.irqbalance)),
+        }
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Capabilities(self) -> "a{sv}":
+        """What this host can do beyond AllowedCPUs (cpuset partitions), as detected at
+        startup."""
+        return {k: Variant(sig, v) for k, (sig, v) in
+                self.service.engine.capabilities.as_dbus().items()}
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Topology(self) -> "s":
+        return self.service.topology.to_json()
+
+    # ---- signals ----
+
+    @signal()
+    def PoolsChanged(self, shared: str, exclusive: str, fragment: str) -> "sss":
+        return [shared, exclusive, fragment]
+
+    @signal()
+    def AllocationAdded(self, name: str, path: str) -> "so":
+        return [name, path]
+
+    @signal()
+    def AllocationRemoved(self, name: str, path: str) -> "so":
+        return [name, path]
+
+    @signal()
+    def AllocationChanged(self, name: str, path: str, reason: str) -> "sos":
+        return [name, path, reason]

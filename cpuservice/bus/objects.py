@@ -1,0 +1,221 @@
+"""The D-Bus objects' common ground: who is calling, the error boundary, object paths, the bus
+connection, and org.cpuservice1.Allocation (one object per allocation; its Manager is in
+bus_api).
+
+Every method runs behind one boundary: a CPUServiceError becomes its named D-Bus error, anything
+else is logged and answered with a generic error, so no caller ever sees a traceback.
+(No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
+"""
+
+import contextvars
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from dbus_fast import DBusError, Message, MessageFlag, MessageType, PropertyAccess, Variant
+from dbus_fast.aio import MessageBus
+from dbus_fast.service import ServiceInterface, dbus_property, method
+
+from cpuservice.model import cpuset
+from cpuservice.model.errors import CPUServiceError, InvalidArgument
+
+log = logging.getLogger(__name__)
+BUS_NAME = "org.cpuservice1"
+PATH = "/org/cpuservice1"
+ALLOCATION_PREFIX = "/org/cpuservice1/allocation/"
+FAILED = CPUServiceError.dbus_name
+
+# (sender, ALLOW_INTERACTIVE_AUTHORIZATION) of the method call being handled
+current_call: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "call", default=("", False))
+F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+
+
+# What one call may carry, checked before any work (a 31 MB option map stalled the daemon):
+MAX_MAP_ENTRIES = 64  # an option map (a{sv}) has 11 known keys
+MAX_LIST_ITEMS = 4096  # an array (Attach's PIDs: at most 256 distinct)
+MAX_TEXT = cpuset.MAX_TEXT  # a string (the longest cpu list a request may name)
+
+
+def _oversized(value: Any) -> str | None:
+    """Why an argument exceeds the bounds above, or None (one level into maps and arrays)."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters (at most {MAX_TEXT})" \
+            if len(value) > MAX_TEXT else None
+    if isinstance(value, dict):
+        if len(value) > MAX_MAP_ENTRIES:
+            return f"a map of {len(value)} entries (at most {MAX_MAP_ENTRIES})"
+        for key, item in value.items():
+            inner = item.value if isinstance(item, Variant) else item
+            if why := _oversized(key):
+                return f"a key: {why}"
+            if isinstance(inner, str | bytes | list) and (why := _oversized(inner)):
+                return f"{key!r}: {why}" if isinstance(key, str) and len(key) <= 64 else why
+        return None
+    if isinstance(value, list | bytes):
+        if len(value) > MAX_LIST_ITEMS:
+            return f"an array of {len(value)} items (at most {MAX_LIST_ITEMS})"
+        return None
+    return None
+
+
+def capture_sender(msg: Message) -> bool:
+    """Message handler that remembers who is calling (exported methods are not told), and
+    refuses a call to cpuservice whose arguments exceed the bounds above before any work
+    (InvalidArgument)."""
+    if msg.message_type == MessageType.METHOD_CALL:
+        interactive = bool(msg.flags & MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION)
+        current_call.set((msg.sender or "", interactive))
+        if (msg.path or "").startswith(PATH):
+            for arg in msg.body:
+                if isinstance(arg, Variant):  # Properties.Set
+                    arg = arg.value
+                if why := _oversized(arg):
+                    raise DBusError(InvalidArgument.dbus_name,
+                                    f"{msg.member}: an argument is too large: {why}")
+    return False
+
+
+def path_of(name: str) -> str:
+    """Object path of an allocation: bytes outside [A-Za-z0-9] become _xx (as sd_bus does)."""
+    return ALLOCATION_PREFIX + "".join(
+        ch if ch.isascii() and ch.isalnum() else f"_{ord(ch):02x}" for ch in name
+    )
+
+
+def ascii_text(text: str) -> str:
+    """Escape non-ASCII: dbus-fast 1.84 (Debian 12) marshals multi-byte strings with a wrong
+    length, and the bus then drops the connection. Error texts quote callers' input."""
+    return text.encode("ascii", "backslashreplace").decode("ascii")
+
+
+def boundary(fn: F) -> F:
+    """Named errors out, tracebacks never."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any) -> Any:
+        try:
+            result = await fn(*args)
+        except CPUServiceError as exc:
+            _count(args, fn.__name__, exc.dbus_name)
+            raise DBusError(exc.dbus_name, ascii_text(str(exc))) from None
+        except DBusError as exc:
+            _count(args, fn.__name__, exc.type)
+            raise
+        except Exception:
+            log.exception("internal error in %s", fn.__name__)
+            _count(args, fn.__name__, FAILED)
+            raise DBusError(FAILED, f"internal error in {fn.__name__}; see the service log") from None
+        _count(args, fn.__name__, "ok")
+        return result
+    return wrapper  # type: ignore[return-value]
+
+
+def _count(args: tuple[Any, ...], method: str, result: str) -> None:
+    """Count the call for the metrics: "ok" or the error's last name (InvalidArgument)."""
+    service = getattr(args[0], "service", None) if args else None
+    if service is not None:
+        service.engine.counters.request(method, result.rsplit(".", 1)[-1])
+
+
+def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
+    return {k: v.value for k, v in options.items()}
+
+
+ALLOCATION_SIGNATURES = {
+    "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
+    "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
+    "State": "s", "Lifetime": "s", "Partition": "s", "PartitionState": "s",
+}
+
+
+class Bus(MessageBus):
+    """dbus-fast sends InterfacesAdded/InterfacesRemoved itself on export/unexport, from the
+    object's own path; the D-Bus specification has them come from the ObjectManager's path
+    (/org/cpuservice1). The Manager sends them, with the values it is handed."""
+
+    def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
+        pass
+
+    def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
+        pass
+
+
+class AllocationHost(Protocol):
+    """What an Allocation object asks of the Manager that exports it."""
+
+    def allocation_values(self, name: str) -> dict[str, Any]: ...
+
+    async def release_as_caller(self, name: str) -> None: ...
+
+
+class Allocation(ServiceInterface):
+    def __init__(self, manager: AllocationHost, name: str) -> None:
+        super().__init__("org.cpuservice1.Allocation")
+        self.manager = manager
+        self.allocation = name
+
+    def values(self) -> dict[str, Any]:
+        return self.manager.allocation_values(self.allocation)
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Name(self) -> "s":
+        return self.allocation
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUs(self) -> "s":
+        return self.values()["CPUs"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Bound(self) -> "b":
+        return self.values()["Bound"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUSet(self) -> "s":
+        return self.values()["CPUSet"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Shares(self) -> "a{uu}":
+        return self.values()["Shares"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUQuotaPerSecUSec(self) -> "t":
+        return self.values()["CPUQuotaPerSecUSec"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def CPUWeight(self) -> "t":
+        return self.values()["CPUWeight"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def MemoryNodes(self) -> "s":
+        return self.values()["MemoryNodes"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Unit(self) -> "s":
+        return self.values()["Unit"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Owner(self) -> "u":
+        return self.values()["Owner"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def State(self) -> "s":
+        return self.values()["State"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Lifetime(self) -> "s":
+        return self.values()["Lifetime"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Partition(self) -> "s":
+        return self.values()["Partition"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def PartitionState(self) -> "s":
+        return self.values()["PartitionState"]
+
+    @method()
+    @boundary
+    async def Release(self) -> None:
+        await self.manager.release_as_caller(self.allocation)

@@ -1,0 +1,2 @@
+"""The command-line tools: cpuservicectl, cpuservice-run, the offline planner, the package's
+restore."""

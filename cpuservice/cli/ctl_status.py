@@ -1,0 +1,126 @@
+"""``cpuservicectl status [NAME]``: the pools at a glance, or one allocation with its CPUs,
+NUMA nodes, owner and the state of its unit as systemd reports it (org.freedesktop.systemd1's
+own properties: ActiveState, TasksCurrent, CPUUsageNSec, ...), plus the kernel's throttling
+counters of the unit's cgroup."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from cpuservice.cli.client import NO_QUOTA, Client
+from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, percent, shares, user_name
+from cpuservice.host import dbuscall
+from cpuservice.model.cpuset import CPUSet
+
+SYSTEMD = ("org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+           "org.freedesktop.systemd1.Manager")
+UNIT_TYPES = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket": "Socket",
+              "mount": "Mount", "swap": "Swap"}
+UNIT_PROPS = ("LoadState", "ActiveState", "SubState", "ActiveEnterTimestamp")
+CGROUP_PROPS = ("ControlGroup", "TasksCurrent", "CPUUsageNSec", "MemoryCurrent")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+async def pools_status(c: Client, args: argparse.Namespace) -> int:
+    props = await c.properties()
+    allocations = await c.allocations()
+    degraded = [a["Name"] for a in allocations if a["State"] != "active"]
+    if args.json_mode is not JsonMode.OFF:
+        props.pop("Topology", None)
+        print(dumps(props | {"Allocations": len(allocations), "Degraded": degraded},
+                    args.json_mode))
+        return 0
+    bound = sum(a["Bound"] for a in allocations)
+    online = CPUSet.parse(props["OnlineCPUs"])
+    print(f"cpuservice {props['Version']}: {len(online)} CPUs online")
+    for key in ("OnlineCPUs", "ReservedCPUs", "IsolatedCPUs", "SharedCPUs", "ExclusiveCPUs",
+                "FragmentCPUs"):
+        count = len(CPUSet.parse(props[key]))
+        cpus = props[key] or "-"
+        print(f"  {key[:-4] + ':':<11}{cpus}{f' ({count})' if count else ''}")
+    print(f"  Allocations: {len(allocations)} ({bound} bound, {len(allocations) - bound} "
+          f"unbound); degraded: {', '.join(degraded) or 'none'}")
+    irq = props.get("IRQIsolation") or {}
+    if irq.get("enabled"):
+        unmovable = ", ".join(map(str, irq["unmovable"])) or "none"
+        pending = irq.get("pending") or []
+        print(f"  IRQs:      {len(irq['confined'])} on {irq['cpus'] or '-'}; unmovable: "
+              f"{unmovable}{'; moved at next arrival: ' if pending else ''}"
+              f"{', '.join(map(str, pending))}{'; irqbalance told' if irq['irqbalance'] else ''}")
+    caps = props.get("Capabilities") or {}
+    if caps:
+        kinds = [k for k in caps.get("Partitions", []) if k != "none"]
+        print(f"  Partitions: {', '.join(kinds) or 'no'}"
+              f"{'' if kinds else ' (' + str(caps.get('PartitionsUnavailable', '')) + ')'}")
+    return 0
+
+
+async def unit_state(c: Client, unit: str) -> dict[str, Any]:
+    """What systemd reports of ``unit`` (empty when systemd does not know it or cannot be
+    asked), with the kernel's throttling counters of its cgroup when they can be read."""
+    try:
+        (path,) = await c.call("GetUnit", "s", [unit], path=SYSTEMD[1], interface=SYSTEMD[2],
+                               destination=SYSTEMD[0])
+        values = await c.properties(path, "org.freedesktop.systemd1.Unit", SYSTEMD[0])
+        kind = UNIT_TYPES.get(unit.rsplit(".", 1)[-1])
+        cgroup = await c.properties(path, f"org.freedesktop.systemd1.{kind}", SYSTEMD[0]) \
+            if kind else {}
+    except dbuscall.CallError as exc:
+        return {"LoadState": "not-loaded" if exc.name.endswith("NoSuchUnit") else "unknown"}
+    out = {k: values[k] for k in UNIT_PROPS if k in values}
+    out |= {k: cgroup[k] for k in CGROUP_PROPS if k in cgroup}
+    out |= throttling(str(cgroup.get("ControlGroup") or ""))
+    return out
+
+
+def throttling(cgroup: str, root: Path = CGROUP_ROOT) -> dict[str, int]:
+    """nr_throttled and throttled_usec from the unit's cpu.stat (cgroup v2), if readable."""
+    if not cgroup:
+        return {}
+    try:
+        text = (root / cgroup.lstrip("/") / "cpu.stat").read_text()
+    except OSError:
+        return {}
+    stat = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
+    return {k: int(stat[k]) for k in ("nr_periods", "nr_throttled", "throttled_usec")
+            if k in stat}
+
+
+async def allocation_status(c: Client, args: argparse.Namespace) -> int:
+    a = await c.allocation(args.name)
+    unit = await unit_state(c, a["Unit"])
+    if args.json_mode is not JsonMode.OFF:
+        print(dumps(a | {"UnitState": unit}, args.json_mode))
+        return 0
+    active = unit.get("ActiveState", "unknown")
+    state = f"{active} ({unit['SubState']})" if unit.get("SubState") else \
+        unit.get("LoadState", "unknown")
+    lines = [
+        f"{a['Name']} - {a['CPUs']} CPU(s), {'bound' if a['Bound'] else 'unbound'}, "
+        f"{a['State']}",
+        ("Owner", f"{user_name(a['Owner'])} ({a['Owner']})"),
+        ("CPUs", f"{a['CPUSet'] or '-'}" + (f" (shares {shares(a['Shares'])})"
+                                           if a["Shares"] else "")),
+        ("NUMA nodes", a["MemoryNodes"] or "-"),
+        ("Quota", f"{percent(a['CPUQuotaPerSecUSec'])}, weight {a['CPUWeight']}"),
+        ("Lifetime", a["Lifetime"]),
+        ("Unit", f"{a['Unit']}: {state}"),
+    ]
+    tasks = unit.get("TasksCurrent")
+    if tasks is not None and tasks != NO_QUOTA:
+        lines.append(("Tasks", str(tasks)))
+    usage = unit.get("CPUUsageNSec")
+    if usage is not None and usage != NO_QUOTA:
+        lines.append(("CPU", cpu_time(int(usage) // 1000)))
+    if "nr_throttled" in unit:
+        lines.append(("Throttled", f"{unit['nr_throttled']} of {unit['nr_periods']} periods, "
+                                   f"{cpu_time(unit['throttled_usec'])}"))
+    memory = unit.get("MemoryCurrent")
+    if memory is not None and memory != NO_QUOTA:
+        lines.append(("Memory", f"{int(memory) / 2**20:.1f}M"))
+    print(lines[0])
+    for label, value in lines[1:]:
+        print(f"{label:>13}: {value}")
+    return 0

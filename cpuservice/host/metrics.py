@@ -1,0 +1,245 @@
+"""Metrics in the Prometheus text format, for the node exporter's textfile collector (Debian's
+prometheus-node-exporter reads ``/var/lib/prometheus/node-exporter/*.prom``): the pools, each
+allocation's CPUs and state, D-Bus requests by result, repairs and their latency.
+
+``render`` is pure (the text from the state and the counters); ``Textfile`` writes it
+atomically (temp file + rename in the same directory, mode 0644 so the exporter's user can read
+it) and only when the text changed, a short moment after a change so that a burst of requests
+is one write. A missing directory (no node exporter installed) is skipped with one log line; the
+file is removed when the daemon stops, so a stopped service is seen as absent metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cpuservice.apply import views
+from cpuservice.host.checkpoint import State
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.topology import Topology
+
+log = logging.getLogger(__name__)
+BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+WRITE_DELAY = 0.2  # seconds: one write for a burst of changes
+
+
+@dataclass
+class Histogram:
+    counts: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
+    total: float = 0.0
+    count: int = 0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(BUCKETS):
+            if value <= bound:
+                self.counts[i] += 1
+        self.total += value
+        self.count += 1
+
+
+class Counters:
+    """What happened since the daemon started; ``listeners`` are told of every change."""
+
+    def __init__(self) -> None:
+        self.requests: dict[tuple[str, str], int] = {}
+        self.repairs: dict[str, int] = {}
+        self.repaired: dict[str, int] = {}
+        self.durations: dict[str, Histogram] = {}
+        self.listeners: list[Callable[[], None]] = []
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def request(self, method: str, result: str) -> None:
+        """A D-Bus method call ended: ``result`` is "ok" or the error's name."""
+        key = (method, result)
+        self.requests[key] = self.requests.get(key, 0) + 1
+        self._changed()
+
+    def repair(self, trigger: str, seconds: float, changed: int) -> None:
+        """A repair ran (``trigger``: startup, hotplug, revalidate) and changed ``changed``
+        allocations."""
+        self.repairs[trigger] = self.repairs.get(trigger, 0) + 1
+        self.repaired[trigger] = self.repaired.get(trigger, 0) + changed
+        self.durations.setdefault(trigger, Histogram()).observe(seconds)
+        self._changed()
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items()) + "}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class _Text:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, text: str,
+               samples: Iterable[tuple[dict[str, str], float]]) -> None:
+        self.lines += [f"# HELP {name} {text}", f"# TYPE {name} {kind}"]
+        self.samples(name, samples)
+
+    def samples(self, name: str, samples: Iterable[tuple[dict[str, str], float]]) -> None:
+        self.lines += [f"{name}{_labels(labels)} {_number(value)}" for labels, value in samples]
+
+
+def render(topology: Topology, state: State, counters: Counters, version: str) -> str:
+    """The metrics as Prometheus text (pure)."""
+    ledger = state.ledger
+    out = _Text()
+    out.family("cpuservice_info", "gauge", "The running cpuserviced (value 1).",
+               [({"version": version}, 1)])
+    pools = {"online": ledger.online, "reserved": ledger.reserved, "isolated": ledger.isolated,
+             "shared": ledger.shared, "exclusive": ledger.exclusive, "fragment": ledger.fragment}
+    out.family("cpuservice_pool_cpus", "gauge", "CPUs in each pool.",
+               [({"pool": pool}, len(cpus)) for pool, cpus in pools.items()])
+    out.family("cpuservice_pool_info", "gauge", "The CPUs of each pool as a cpu list (value 1).",
+               [({"pool": pool, "cpus": cpus.format()}, 1) for pool, cpus in pools.items()])
+    values = {name: views.allocation(topology, state, name) for name in sorted(ledger.allocations)}
+    out.family("cpuservice_allocations", "gauge", "Allocations by kind and state.",
+               [({"bound": b, "state": s}, sum(1 for v in values.values()
+                                               if _bool(v["Bound"]) == b and v["State"] == s))
+                for b in ("true", "false") for s in ("active", "degraded")])
+    out.family("cpuservice_allocation_info", "gauge",
+               "Each allocation's CPUs, unit, owner and state (value 1).",
+               [({"allocation": n, "cpus": v["CPUSet"], "bound": _bool(v["Bound"]),
+                  "unit": v["Unit"], "uid": str(v["Owner"]), "state": v["State"],
+                  "lifetime": v["Lifetime"]}, 1) for n, v in values.items()])
+    out.family("cpuservice_allocation_requested_cpus", "gauge",
+               "The CPUs each allocation asked for (may be fractional).",
+               [({"allocation": n}, float(v["CPUs"])) for n, v in values.items()])
+    out.family("cpuservice_allocation_cpus", "gauge",
+               "The CPUs each allocation's unit may run on (its AllowedCPUs).",
+               [({"allocation": n}, _count(v["CPUSet"])) for n, v in values.items()])
+    out.family("cpuservice_allocation_degraded", "gauge",
+               "1 while an allocation holds fewer CPUs than it asked for.",
+               [({"allocation": n}, int(v["State"] == "degraded")) for n, v in values.items()])
+    out.family("cpuservice_requests_total", "counter",
+               "D-Bus method calls by method and result (ok or the error's name).",
+               [({"method": m, "result": r}, n)
+                for (m, r), n in sorted(counters.requests.items())])
+    out.family("cpuservice_repairs_total", "counter",
+               "Repairs of the allocations against the topology, by trigger.",
+               [({"trigger": t}, n) for t, n in sorted(counters.repairs.items())])
+    out.family("cpuservice_repaired_allocations_total", "counter",
+               "Allocations a repair changed, by trigger.",
+               [({"trigger": t}, n) for t, n in sorted(counters.repaired.items())])
+    out.family("cpuservice_repair_duration_seconds", "histogram",
+               "How long a repair took, from reading the topology to systemd holding the result.",
+               [])
+    for trigger, h in sorted(counters.durations.items()):
+        out.samples("cpuservice_repair_duration_seconds_bucket",
+                    [({"trigger": trigger, "le": _number(b)}, c)
+                     for b, c in zip(BUCKETS, h.counts, strict=True)]
+                    + [({"trigger": trigger, "le": "+Inf"}, h.count)])
+        out.samples("cpuservice_repair_duration_seconds_sum", [({"trigger": trigger}, h.total)])
+        out.samples("cpuservice_repair_duration_seconds_count", [({"trigger": trigger}, h.count)])
+    return "\n".join(out.lines) + "\n"
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _count(cpus: str) -> int:
+    return len(CPUSet.parse(cpus))
+
+
+class Textfile:
+    """Writes ``render()`` to ``path`` when it changed (see the module's docstring)."""
+
+    def __init__(self, path: str, render: Callable[[], str], delay: float = WRITE_DELAY) -> None:
+        self.path = Path(path)
+        self.render = render
+        self.delay = delay
+        self._written: str | None = None
+        self._pending: asyncio.TimerHandle | None = None
+        self._skipping = False
+
+    def changed(self) -> None:
+        """Something changed: write soon (once for a burst)."""
+        if self._pending is None:
+            self._pending = asyncio.get_running_loop().call_later(self.delay, self._fire)
+
+    def _fire(self) -> None:
+        self._pending = None
+        self.write()
+
+    def write(self) -> bool:
+        """Write now if the text changed; False when the directory is missing or unwritable."""
+        directory = self.path.parent
+        if not directory.is_dir():
+            if not self._skipping:
+                log.info("not writing metrics: %s does not exist (no node exporter?)", directory)
+                self._skipping = True
+            return False
+        text = self.render()
+        if text == self._written and self.path.exists():
+            return True
+        try:
+            _replace_file(directory, self.path.name, text.encode())
+        except OSError as exc:
+            if not self._skipping:
+                log.warning("cannot write metrics to %s: %s", self.path, exc)
+                self._skipping = True
+            return False
+        if self._skipping:
+            log.info("writing metrics to %s", self.path)
+        self._skipping = False
+        self._written = text
+        return True
+
+    def remove(self) -> None:
+        """The daemon stops: its metrics go (a stopped service shows as absent metrics)."""
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("cannot remove %s: %s", self.path, exc)
+
+
+def _replace_file(directory: Path, name: str, data: bytes) -> None:
+    """Replace ``directory/name`` with ``data`` (mode 0644), safely in a directory another
+    user may write (Debian's /var/lib/prometheus/node-exporter belongs to prometheus): the
+    directory is opened without following a link, the temp file gets a fresh random name with
+    O_EXCL|O_NOFOLLOW (mkstemp's flags, relative to the directory), its mode is set on the
+    descriptor, and the rename happens inside the directory; nothing follows a planted link."""
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        tmp = f".{name}.{secrets.token_hex(8)}.tmp"  # not *.prom: the exporter never reads it
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600, dir_fd=dfd)
+        try:
+            try:
+                os.fchmod(fd, 0o644)  # the exporter's user reads it, whatever the umask
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+            os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+            raise
+    finally:
+        os.close(dfd)

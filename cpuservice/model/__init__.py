@@ -1,0 +1,2 @@
+"""The vocabulary: CPU sets, topology, requests, the ledger, the state, errors, configuration.
+Pure."""

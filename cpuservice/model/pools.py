@@ -1,0 +1,199 @@
+"""The ledger: who holds which CPUs, and the pools that follow from it.
+
+Pools: online; reserved (configured, part of shared, never allocated); isolated (kernel isolcpus:
+never shared, bound allocations only); exclusive (whole CPUs of one bound allocation); fragment
+(CPUs split in pieces between bound allocations); shared = online - exclusive - fragment - isolated.
+The ledger is an immutable value: every change returns a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from types import MappingProxyType
+
+from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.request import Request
+
+GRANULARITIES = (100, 1000)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """``pieces`` of ``cpu``, out of the ledger's granularity."""
+
+    cpu: int
+    pieces: int
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One named allocation. Unbound ones hold nothing: they run on the shared pool."""
+
+    name: str
+    request: Request
+    whole: CPUSet = EMPTY
+    fragment: Fragment | None = None
+    degraded: bool = False
+
+    @property
+    def bound(self) -> bool:
+        return self.request.options.bind
+
+    @property
+    def held(self) -> CPUSet:
+        """Every CPU this allocation runs on exclusively or in pieces."""
+        return self.whole | CPUSet((self.fragment.cpu,)) if self.fragment else self.whole
+
+
+class InvariantError(AssertionError):
+    """The ledger broke one of its invariants (a bug, never a caller's fault)."""
+
+
+@dataclass(frozen=True)
+class Ledger:
+    online: CPUSet
+    reserved: CPUSet = EMPTY
+    isolated: CPUSet = EMPTY
+    granularity: int = 100
+    min_shared_cpus: int = 1
+    allocations: Mapping[str, Allocation] = field(default_factory=lambda: MappingProxyType({}))
+    bound: Mapping[str, Allocation] = field(
+        default_factory=lambda: MappingProxyType({}), compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        """``bound`` (the bound allocations) is derived; with_allocation/without keep it up to
+        date in O(bound) so that a thousand unbound allocations cost the pools nothing."""
+        if len(self.bound) > len(self.allocations) or any(
+            self.allocations.get(n) is not a for n, a in self.bound.items()
+        ) or sum(a.bound for a in self.allocations.values()) != len(self.bound):
+            bound = {n: a for n, a in self.allocations.items() if a.bound}
+            object.__setattr__(self, "bound", MappingProxyType(bound))
+
+    @cached_property
+    def exclusive(self) -> CPUSet:
+        return CPUSet.union_all(a.whole for a in self.bound.values())
+
+    @cached_property
+    def fragment_pieces(self) -> dict[int, int]:
+        """Fragment CPU -> pieces used on it."""
+        used: dict[int, int] = {}
+        for a in self.bound.values():
+            if a.fragment:
+                used[a.fragment.cpu] = used.get(a.fragment.cpu, 0) + a.fragment.pieces
+        return used
+
+    @cached_property
+    def fragment(self) -> CPUSet:
+        return CPUSet(self.fragment_pieces)
+
+    @cached_property
+    def held(self) -> CPUSet:
+        return self.exclusive | self.fragment
+
+    @cached_property
+    def shared(self) -> CPUSet:
+        return self.online - self.held - self.isolated
+
+    @cached_property
+    def free_isolated(self) -> CPUSet:
+        """Isolated CPUs no allocation holds."""
+        return (self.isolated & self.online) - self.held
+
+    @cached_property
+    def allocatable(self) -> CPUSet:
+        """CPUs a bound allocation may take whole: shared minus reserved, plus free isolated."""
+        return (self.shared - self.reserved) | self.free_isolated
+
+    @property
+    def takeable(self) -> CPUSet:
+        """Allocatable CPUs, less the shared ones when the shared pool is at its minimum."""
+        return self.allocatable if self.shared_budget else self.free_isolated
+
+    @property
+    def shared_budget(self) -> int:
+        """How many CPUs may still leave the shared pool."""
+        return max(0, len(self.shared) - self.min_shared_cpus)
+
+    def free_pieces(self, cpu: int) -> int:
+        return self.granularity - self.fragment_pieces.get(cpu, 0)
+
+    def owner_of(self, cpu: int) -> list[str]:
+        """Names of the allocations holding ``cpu``."""
+        return sorted(a.name for a in self.bound.values() if cpu in a.held)
+
+    def with_allocation(self, allocation: Allocation) -> Ledger:
+        allocations = dict(self.allocations)
+        allocations[allocation.name] = allocation
+        bound = dict(self.bound)
+        bound.pop(allocation.name, None)
+        if allocation.bound:
+            bound[allocation.name] = allocation
+        return self._with(allocations, bound)
+
+    def without(self, name: str) -> Ledger:
+        allocations = dict(self.allocations)
+        del allocations[name]
+        bound = dict(self.bound)
+        bound.pop(name, None)
+        return self._with(allocations, bound)
+
+    def _with(self, allocations: dict[str, Allocation], bound: dict[str, Allocation]) -> Ledger:
+        new = Ledger.__new__(Ledger)
+        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
+            object.__setattr__(new, f, getattr(self, f))
+        object.__setattr__(new, "allocations", MappingProxyType(allocations))
+        object.__setattr__(new, "bound", MappingProxyType(bound))
+        return new
+
+    def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
+        """The same allocations on another online set; callers repair what that breaks."""
+        if isolated is None:
+            isolated = self.isolated
+        return replace(self, online=online, isolated=isolated)
+
+
+def check_index(ledger: Ledger) -> None:
+    """The bound index lists exactly the bound allocations, and unbound ones hold nothing
+    (O(all allocations): the tests' check, where check_invariants looks at bound ones only)."""
+    bound = {n: a for n, a in ledger.allocations.items() if a.bound}
+    if dict(ledger.bound) != bound:
+        raise InvariantError("the index of bound allocations does not match the allocations")
+    for a in ledger.allocations.values():
+        if not a.bound and a.held:
+            raise InvariantError(f"unbound allocation {a.name!r} holds CPUs {a.held}")
+
+
+def check_invariants(ledger: Ledger) -> None:
+    """Raise InvariantError naming every broken invariant of the pools (cost: O(bound))."""
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    for a in ledger.bound.values():
+        for cpu in a.whole:
+            if cpu in seen:
+                problems.append(f"CPU {cpu} is exclusive to both {seen[cpu]!r} and {a.name!r}")
+            seen[cpu] = a.name
+        offline = a.held - ledger.online
+        if offline:
+            problems.append(f"allocation {a.name!r} holds offline CPUs {offline}")
+        if a.fragment and not 0 < a.fragment.pieces < ledger.granularity:
+            problems.append(f"allocation {a.name!r} has a fragment of {a.fragment.pieces} pieces")
+    overlap = ledger.exclusive & ledger.fragment
+    if overlap:
+        problems.append(f"CPUs {overlap} are both exclusive and fragment")
+    for cpu, pieces in ledger.fragment_pieces.items():
+        if pieces > ledger.granularity:
+            problems.append(f"fragment CPU {cpu} has {pieces} > {ledger.granularity} pieces")
+    if ledger.held & ledger.reserved:
+        problems.append(f"reserved CPUs {ledger.held & ledger.reserved} are allocated")
+    if not ledger.shared >= (ledger.reserved & ledger.online):
+        problems.append("the shared pool does not contain every online reserved CPU")
+    if len(ledger.shared) < min(ledger.min_shared_cpus, len(ledger.online - ledger.isolated)):
+        problems.append(f"shared pool {ledger.shared} is smaller than {ledger.min_shared_cpus}")
+    parts = (ledger.shared, ledger.exclusive, ledger.fragment, ledger.free_isolated)
+    if sum(map(len, parts)) != len(ledger.online) or CPUSet.union_all(parts) != ledger.online:
+        problems.append("shared, exclusive, fragment and free isolated do not partition online")
+    if problems:
+        raise InvariantError("; ".join(problems))

@@ -1,0 +1,171 @@
+"""Allocation requests: the CPU amount and the option map, validated into typed values."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any, Optional
+
+from pydantic import Field, StrictBool, StrictStr
+
+from cpuservice.model import compat
+from cpuservice.model.cpuset import CPUSet, CPUSetError
+from cpuservice.model.errors import InvalidArgument
+
+
+class Policy(StrEnum):
+    """Which CPUs a bound allocation takes (option ``policy``)."""
+
+    PACKED = "packed"
+    FULL_PCPUS = "full-pcpus"
+    SPREAD_PCPUS = "spread-pcpus"
+
+
+class Exclusive(StrEnum):
+    """What a bound allocation shares with others of the same setting (option ``exclusive``)."""
+
+    NONE = "none"
+    PCPU = "pcpu"
+    NUMA = "numa"
+
+
+class NumaStrategy(StrEnum):
+    """Which NUMA node(s) come first (option ``numa-strategy``)."""
+
+    MOST_ALLOCATED = "most-allocated"
+    LEAST_ALLOCATED = "least-allocated"
+    DISTRIBUTE_EVENLY = "distribute-evenly"
+
+
+class NumaAlignment(StrEnum):
+    """How strictly an allocation keeps to few NUMA nodes (option ``numa-alignment``)."""
+
+    NONE = "none"
+    BEST_EFFORT = "best-effort"
+    RESTRICTED = "restricted"
+    SINGLE_NUMA_NODE = "single-numa-node"
+
+
+class Lifetime(StrEnum):
+    """How long an allocation lives (option ``lifetime``)."""
+
+    PERSISTENT = "persistent"
+    UNIT = "unit"
+
+
+class Partition(StrEnum):
+    """The cgroup cpuset partition an allocation asks for (option ``partition``)."""
+
+    NONE = "none"
+    ROOT = "root"
+    ISOLATED = "isolated"
+
+
+_AMOUNT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_UNIT = re.compile(r"[A-Za-z0-9:_.@\\-]{1,248}\.(service|scope|slice|socket|mount|swap)")
+
+
+class Options(compat.StrictModel):
+    """The ``a{sv}`` options of Allocate/Plan/Capacity; keys as in the D-Bus contract."""
+
+    bind: StrictBool = False
+    policy: Policy = Policy.PACKED
+    exclusive: Exclusive = Exclusive.NONE
+    numa_strategy: NumaStrategy = Field(NumaStrategy.MOST_ALLOCATED, alias="numa-strategy")
+    numa_alignment: NumaAlignment = Field(NumaAlignment.BEST_EFFORT, alias="numa-alignment")
+    cpuset: Optional[StrictStr] = None  # noqa: UP045 - pydantic 1.10 needs Optional
+    memory_nodes: StrictBool = Field(False, alias="memory-nodes")
+    unit: Optional[StrictStr] = None  # noqa: UP045
+    lifetime: Lifetime = Lifetime.PERSISTENT
+    partition: Partition = Partition.NONE
+
+
+OPTION_KEYS = compat.field_aliases(Options)
+
+
+def validate_name(name: str) -> str:
+    """Allocation names: 1-64 of [A-Za-z0-9_.-], starting with a letter or digit."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidArgument(
+            f"allocation name {name!r} must be 1-64 characters of A-Z a-z 0-9 _ . - starting "
+            "with a letter or digit"
+        )
+    return name
+
+
+def parse_amount(text: str) -> Decimal:
+    """A CPU amount as a positive Decimal: plain digits with an optional fraction, no exponent."""
+    if not isinstance(text, str) or not _AMOUNT.fullmatch(text):
+        raise InvalidArgument(
+            f"cpus {text!r} is not a plain decimal number such as '2', '1.2' or '0.25'"
+        )
+    value = Decimal(text)
+    if value <= 0:
+        raise InvalidArgument(f"cpus must be greater than 0, got {text!r}")
+    return value
+
+
+def parse_options(options: Mapping[str, Any], defaults: Mapping[str, Any] | None = None) -> Options:
+    """Validate an option map (unknown keys and wrong types are named in the error)."""
+    unknown = sorted(set(options) - OPTION_KEYS.keys() - set(OPTION_KEYS.values()))
+    if unknown:
+        known = ", ".join(sorted(OPTION_KEYS))
+        raise InvalidArgument(f"unknown option {unknown[0]!r} (known: {known})")
+    try:
+        return compat.load(Options, {**(defaults or {}), **options})
+    except compat.ValidationError as exc:
+        raise InvalidArgument(f"bad option {compat.describe(exc)}") from None
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated request: amount, options, and the explicit cpuset parsed when given."""
+
+    cpus: Decimal
+    options: Options
+    cpuset: CPUSet | None = None
+
+    @property
+    def whole(self) -> int:
+        """Whole CPUs (the X of X.Y)."""
+        return int(self.cpus)
+
+    @property
+    def fraction(self) -> Decimal:
+        """The .Y of X.Y."""
+        return self.cpus - self.whole
+
+    @classmethod
+    def parse(
+        cls,
+        cpus: str,
+        options: Mapping[str, Any] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> Request:
+        amount = parse_amount(cpus)
+        opts = parse_options(options or {}, defaults)
+        return cls.build(amount, opts)
+
+    @classmethod
+    def build(cls, amount: Decimal, opts: Options) -> Request:
+        """Cross-field checks on already typed values."""
+        explicit = None
+        if opts.cpuset is not None:
+            try:
+                explicit = CPUSet.parse(opts.cpuset)
+            except CPUSetError as exc:
+                raise InvalidArgument(f"option 'cpuset': {exc}") from None
+            if not opts.bind:
+                raise InvalidArgument("option 'cpuset' needs 'bind': true")
+            if not explicit or amount != len(explicit):
+                raise InvalidArgument(
+                    f"option 'cpuset' {opts.cpuset!r} names {len(explicit)} CPUs but cpus is "
+                    f"{amount}"
+                )
+        if opts.unit is not None and not _UNIT.fullmatch(opts.unit):
+            raise InvalidArgument(f"option 'unit' {opts.unit!r} is not a unit name")
+        return cls(amount, opts, explicit)

@@ -1,0 +1,30 @@
+"""The service's state: the ledger (who holds which CPUs) and, per allocation, what the service
+knows beyond it (owner, unit, a foreign unit's saved values). Immutable values; the checkpoint
+(cpuservice.host.checkpoint) writes and reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpuservice.model.pools import Ledger
+
+
+@dataclass(frozen=True)
+class Record:
+    """What the service knows of an allocation beyond the ledger."""
+
+    owner: int = 0
+    unit: str = ""
+    saved: Mapping[str, tuple[str, Any]] = field(default_factory=dict)
+    populated: bool = False
+    # a foreign unit's properties that had no runtime override before cpuservice set them: the
+    # restore removes cpuservice's override instead of leaving the old value frozen in one
+    fresh: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class State:
+    ledger: Ledger
+    records: Mapping[str, Record]

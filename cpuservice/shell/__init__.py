@@ -1,0 +1,2 @@
+"""The imperative shell: ports, the engine and its one apply, the service's use cases, startup
+recovery, lifetimes."""

@@ -1,0 +1,355 @@
+"""The state and the one way it changes: plan (pure) -> checkpoint -> reconcile transaction ->
+events. Every use case, startup recovery, Revalidate and hotplug repair commits through here.
+
+systemd is reached only through the small protocol declared below (the real adapter is
+cpuservice.host.systemd.Systemd; unit tests use an in-memory fake).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from cpuservice.apply import partitions, reconcile, units, views
+from cpuservice.apply.change import Basis, Change, Durability, Note
+from cpuservice.apply.reconcile import UnitSpec
+from cpuservice.apply.targets import Targets, partition_mode, partition_of
+from cpuservice.host import journal, metrics
+from cpuservice.host.checkpoint import State, Store
+from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES
+from cpuservice.model.config import Config
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, SystemdFailure
+from cpuservice.model.pools import Ledger, check_invariants
+from cpuservice.model.props import Props
+from cpuservice.model.topology import Topology
+from cpuservice.shell.ports import UNIT_IFACE, Events, KernelAPI, NoEvents, SystemdAPI, cgroup_iface
+
+log = logging.getLogger(__name__)
+OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
+                f"{units.PARTITION_PREFIX}*.slice")
+class Effector:
+    """The reconcile transaction's effector: systemd for units, the kernel for the pseudo-units
+    of interrupts and workqueues (they only ever get AllowedCPUs)."""
+
+    def __init__(self, systemd: SystemdAPI, kernel: KernelAPI | None) -> None:
+        self.systemd, self.kernel = systemd, kernel
+
+    async def start_transient(self, unit: str, props: Props) -> None:
+        await self.systemd.start_transient(unit, props)
+
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
+        if unit in KERNEL_HOLDERS:
+            if self.kernel is not None and "AllowedCPUs" in props:
+                await self.kernel.set_cpus(unit, CPUSet.from_mask(bytes(props["AllowedCPUs"][1])))
+            return
+        await self.systemd.set_properties(unit, props, missing_ok)
+
+    def batched(self, unit: str) -> bool:
+        return unit in KERNEL_HOLDERS
+
+    async def set_many(self, writes: Mapping[str, Props]) -> None:
+        """Both kernel holders in one write."""
+        wants = {u: CPUSet.from_mask(bytes(p["AllowedCPUs"][1]))
+                 for u, p in writes.items() if "AllowedCPUs" in p}
+        if self.kernel is not None and wants:
+            await self.kernel.set_many(wants)
+
+    async def stop(self, unit: str) -> None:
+        await self.systemd.stop(unit)
+
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
+        await self.systemd.remove_overrides(unit, names)
+
+
+def kernel_holders(config: Config) -> tuple[str, ...]:
+    """The pseudo-units of the kernel that follow the shared pool, as configured."""
+    return (*((IRQS,) if config.isolate_irqs else ()),
+            *((WORKQUEUES,) if config.isolate_workqueues else ()))
+
+
+def empty_ledger(config: Config, topology: Topology) -> Ledger:
+    return Ledger(topology.online, config.reserved, topology.isolated & topology.online,
+                  config.granularity, config.min_shared_cpus)
+
+
+class Engine:
+    def __init__(self, config: Config, systemd: SystemdAPI, store: Store,
+                 topology: Topology, kernel: KernelAPI | None = None) -> None:
+        self.config = config
+        self.systemd = systemd
+        self.kernel = kernel
+        self.effector = Effector(systemd, kernel)
+        self.store = store
+        self.topology = topology
+        self.state = State(empty_ledger(config, topology), {})
+        self.targets = Targets(config.confine_host, kernel_holders(config))
+        self.events: Events = NoEvents()
+        # committed changes of allocations, one event each (the daemon sends them to journald)
+        self.audit: journal.Audit = journal.Journal(native=False)
+        self.counters = metrics.Counters()  # requests and repairs, for the metrics
+        # cpuset partitions: what this host can do (the daemon detects it), what the kernel
+        # reports of each partitioned allocation's slice, and the reader of that report
+        self.capabilities = partitions.Capabilities()
+        self.partition_states: dict[str, partitions.State] = {}
+        self.read_partition: Callable[[str], partitions.State | None] = partitions.read_state
+        self.detect_kernel: Callable[[], tuple[bool, str]] = partitions.detect_kernel
+        self.lock = asyncio.Lock()
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.state.ledger
+
+    def adopt(self, state: State) -> None:
+        """Startup: the state recovered from the checkpoint or the units, before the first
+        ``apply`` makes systemd hold it (a failure then retries it, never undoes it)."""
+        self.state = state
+
+    async def apply(self, change: Change) -> None:
+        """The one way anything changes: checkpoint (as durable as the change asks), one
+        reconcile transaction (its own steps, then what the new state needs), events, audit.
+        On failure both the state and systemd are put back and the cause is raised."""
+        new = change.state
+        if new is None:
+            await self._execute(reconcile.Transaction(change.steps))
+            return
+        check_invariants(new.ledger)
+        old, old_topology = self.state, self.topology
+        memo = self.targets.memo()  # a failed change leaves no spec of its own behind
+        changed = self.targets.changed(old, new, change.touched)
+        observed = change.basis is Basis.OBSERVED
+        if change.durability is Durability.FIRST:
+            self.store.save(new, changed)
+        elif change.durability is Durability.SERVE_READ_ONLY:
+            try:
+                self.store.save(new, changed)
+            except CheckpointWriteError as exc:
+                # what this change derived follows from the checkpoint and systemd again at the
+                # next start; changes that need a write are refused until one succeeds
+                log.error("%s: serving read-only, every change is refused until the state can "
+                          "be written", exc)
+        try:
+            before = self.specs(old, changed)
+            self.topology = change.topology or old_topology
+            if observed:
+                await reconcile.execute(reconcile.Transaction(change.steps), self.effector)
+                await self._sync(new)
+            else:
+                tx = reconcile.plan(before, self.specs(new, changed),
+                                    old.ledger.exclusive | new.ledger.exclusive)
+                await reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
+                                        self.effector)
+            if change.durability is Durability.AFTER:
+                self.store.save(new, changed)
+        except Exception as exc:
+            log.error("applying a change failed, rolling back: %s", exc)
+            self.topology = old_topology
+            self.targets.restore(memo)
+            if observed or not (isinstance(exc, reconcile.Failed) and exc.clean):
+                try:
+                    await self._sync(old)
+                except Exception as again:
+                    log.error("rollback incomplete: %s", again)
+            if change.durability is not Durability.NONE:
+                try:
+                    self.store.save(old, changed)
+                except CPUServiceError as again:
+                    log.error("cannot write the state back: %s", again)
+            raise _cause(exc) from None
+        except BaseException:
+            self.topology = old_topology
+            self.targets.restore(memo)
+            raise
+        self.state = new
+        before_partitions = dict(self.partition_states)
+        await self.observe_partitions(changed)
+        self._publish(old, new, changed, change.reasons, old_topology, before_partitions)
+        for event in change.events:
+            self.audit.send(event)
+        for note in change.notes:
+            self._audit(note, old, old_topology)
+
+    async def settle(self) -> None:
+        """Wait until the kernel holders have what was last applied to them (give-backs are
+        written shortly after the change that made them)."""
+        if self.kernel is not None:
+            await self.kernel.settle()
+
+    async def _execute(self, tx: reconcile.Transaction) -> None:
+        try:
+            await reconcile.execute(tx, self.effector)
+        except reconcile.Failed as exc:
+            raise _cause(exc) from None
+
+    def _audit(self, note: Note, old: State, old_topology: Topology) -> None:
+        """Record a committed change of an allocation, with the uid of the D-Bus caller who
+        asked for it, if one did."""
+        extra = dict(note.extra)
+        caller = journal.CALLER.get()
+        if caller is not None:
+            extra["caller_uid"] = str(caller)
+        state, topology = (old, old_topology) if note.before else (self.state, self.topology)
+        self.audit.send(journal.event(note.kind, topology, state, note.name, note.reason,
+                                      self.partition_report(note.name), **extra))
+
+    def specs(self, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
+        return self.targets.specs(self.topology, state, names)
+
+    async def _sync(self, state: State) -> None:
+        """Make systemd match ``state`` whatever it holds now (startup, Revalidate, a rollback
+        that could not be undone): the same transaction, from what systemd reports."""
+        after = self.specs(state, state.ledger.allocations)
+        before, dead = await self.observe(after)
+        # what bound slices hold now is protected too; a slice on the shared pool (a bound
+        # allocation that lost every CPU) holds nothing of its own
+        on_pool = {state.records[n].unit for n, a in state.ledger.allocations.items()
+                   if a.bound and not a.held and n in state.records}
+        held = CPUSet.union_all(spec.cpus or CPUSet() for unit, spec in before.items()
+                                if (own := units.name_of_slice(unit)) and own[1]
+                                and unit not in on_pool)
+        # a dead slice of ours is stopped first, so that it can be started again
+        stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
+        tx = reconcile.plan(before, after, state.ledger.exclusive | held)
+        await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
+
+    async def observe(self, after: Mapping[str, UnitSpec]
+                      ) -> tuple[dict[str, UnitSpec], list[str]]:
+        """The units systemd holds now: our per-allocation slices (and, apart, the dead ones:
+        to stop, so that they can be started again) and the other units ``after`` names. A
+        slice is ours only when it is one ``after`` names or its Description records the
+        allocation its name says: a slice somebody else made with a similar name is left
+        alone."""
+        before: dict[str, UnitSpec] = {}
+        dead: list[str] = []
+        for unit, active in await self.systemd.list_units(OWN_PATTERNS):
+            if units.name_of_slice(unit) is None:
+                continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.OWN_PROPERTIES)
+            have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
+            if unit not in after and not units.made_by_us(unit, have.get("Description", "")):
+                log.warning("leaving %s alone: cpuservice did not make it", unit)
+                continue
+            if active not in ("active", "activating"):
+                dead.append(unit)
+                continue
+            before[unit] = UnitSpec(units.observed_props(have), own=True)
+        for unit, spec in after.items():
+            if unit in KERNEL_HOLDERS:
+                cpus = await self.kernel.get_cpus(unit) if self.kernel is not None else None
+                if cpus:
+                    before[unit] = UnitSpec(units.shared_props(cpus), own=False)
+                continue
+            if spec.own:
+                continue
+            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+            if have:
+                before[unit] = UnitSpec(units.observed_props(have), own=False,
+                                        restore=spec.restore, forget=spec.forget)
+        return before, dead
+
+    async def detect_capabilities(self) -> partitions.Capabilities:
+        """What this host can do about partitions: systemd's version and whether its slices
+        have CPUSetPartition, and what the kernel offers."""
+        try:
+            version = await self.systemd.manager_version()
+            root = await self.systemd.get("-.slice", cgroup_iface("-.slice"),
+                                          [partitions.PROPERTY])
+        except CPUServiceError as exc:
+            log.warning("cannot ask systemd what it supports: %s", exc)
+            version, root = "", {}
+        kernel, why = self.detect_kernel()
+        self.capabilities = partitions.Capabilities(version, partitions.PROPERTY in root,
+                                                    kernel, why)
+        self.targets.set_partitions(self.capabilities.systemd_property)
+        if self.capabilities.partitions:
+            log.info("cpuset partitions available (systemd %s)", version)
+        else:
+            log.info("cpuset partitions not available: %s", self.capabilities.why_not())
+        return self.capabilities
+
+    async def check_partitions(self, reason: str = "partition") -> list[str]:
+        """Read every partition's report again and announce the allocations whose report
+        changed; the allocations the kernel's report now degrades."""
+        before = dict(self.partition_states)
+        for name in sorted(await self.observe_partitions()):
+            if name in self.state.ledger.allocations:
+                diff = views.changed(
+                    views.allocation(self.topology, self.state, name, before.get(name)),
+                    views.allocation(self.topology, self.state, name, self.partition_report(name)))
+                if diff:
+                    self.events.allocation_changed(name, reason, diff)
+        allocations = self.state.ledger.allocations
+        return sorted(n for n, report in self.partition_states.items() if n in allocations
+                      and partitions.degraded(partition_mode(allocations[n], self.ledger),
+                                              report))
+
+    async def observe_partitions(self, names: Iterable[str] | None = None) -> set[str]:
+        """Read what the kernel made of the named allocations' partitions (None: all of them);
+        the names whose report changed. Never fails: an unreadable report is None (degraded)."""
+        allocations = self.state.ledger.allocations
+        changed: set[str] = set()
+        for name in sorted(allocations if names is None else names):
+            a = allocations.get(name)
+            if a is None or partition_of(a) == partitions.NONE:
+                if name in self.partition_states:
+                    del self.partition_states[name]
+                    changed.add(name)
+                continue
+            unit = self.state.records[name].unit
+            report = partitions.UNREADABLE
+            try:
+                group = (await self.systemd.get(unit, cgroup_iface(unit), ["ControlGroup"])
+                         ).get("ControlGroup", "")
+                report = (self.read_partition(str(group)) if group else None) or report
+            except Exception as exc:  # an observation never fails the change it follows
+                log.warning("cannot read the partition of %s: %s", unit, exc)
+            if name not in self.partition_states or self.partition_states[name] != report:
+                why = partitions.degraded(partition_mode(a, self.ledger), report)
+                if why:
+                    log.warning("allocation %s: %s (%s)", name, why, unit)
+                self.partition_states[name] = report
+                changed.add(name)
+        return changed
+
+    def partition_report(self, name: str) -> partitions.State | None:
+        return self.partition_states.get(name)
+
+    def _publish(self, old: State, new: State, changed: set[str], reasons: Mapping[str, str],
+                 old_topology: Topology,
+                 old_partitions: Mapping[str, partitions.State | None] | None = None) -> None:
+        """Events, with their values, for what changed. An unbound allocation's CPUSet is the
+        shared pool: it is announced once, by SharedCPUs and PoolsChanged, not per allocation."""
+        before, after = old.ledger.allocations, new.ledger.allocations
+        for name in sorted(changed | reasons.keys()):
+            if name not in after:
+                self.targets.forget(name)
+                self.events.allocation_removed(name)
+            elif name not in before:
+                self.events.allocation_added(name, views.allocation(
+                    self.topology, new, name, self.partition_report(name)))
+            elif before[name] is not after[name] or name in reasons or (
+                new.records.get(name) is not old.records.get(name)
+            ):
+                was_partition = (self.partition_states if old_partitions is None
+                                 else old_partitions).get(name)
+                diff = views.changed(views.allocation(old_topology, old, name, was_partition),
+                                     views.allocation(self.topology, new, name,
+                                                      self.partition_report(name)))
+                self.events.allocation_changed(name, reasons.get(name, "changed"), diff)
+        was, now = old.ledger, new.ledger
+        if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):
+            self.events.pools_changed(now.shared.format(), now.exclusive.format(),
+                                      now.fragment.format())
+        manager = views.changed(views.manager(was), views.manager(now))
+        invalidated = ["Topology"] if self.topology != old_topology else []
+        if manager or invalidated:
+            self.events.manager_changed(manager, invalidated)
+
+
+def _cause(exc: Exception) -> CPUServiceError:
+    """What a failed change tells its caller: the cause, as a named error."""
+    cause = exc.cause if isinstance(exc, reconcile.Failed) else exc
+    if isinstance(cause, CPUServiceError):
+        return cause
+    return SystemdFailure(f"systemd failed: {cause}")

@@ -1,0 +1,81 @@
+"""The shell's ports: what the engine asks of systemd and of the kernel, and what it tells the
+bus after each committed change. The adapters (cpuservice.host.systemd, cpuservice.host.irqs) and
+the unit
+tests' fakes implement them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from cpuservice.host.irqs import Report
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.props import Props
+
+UNIT_IFACE = "org.freedesktop.systemd1.Unit"
+_TYPE_IFACE = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket": "Socket",
+               "mount": "Mount", "swap": "Swap"}
+
+
+def cgroup_iface(unit: str) -> str:
+    return f"org.freedesktop.systemd1.{_TYPE_IFACE[unit.rsplit('.', 1)[1]]}"
+
+
+class SystemdAPI(Protocol):
+    """What cpuservice asks of systemd."""
+
+    on_unit_removed: Callable[[str], None]
+    on_unit_new: Callable[[str], None]
+    on_unit_state: Callable[[str, str], None]
+
+    async def start_transient(self, unit: str, props: Props) -> None: ...
+    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None: ...
+    async def stop(self, unit: str) -> None: ...
+    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None: ...
+    async def unit_path(self, unit: str) -> str | None: ...
+    async def load_state(self, unit: str) -> str: ...
+    async def manager_version(self) -> str: ...
+    async def get(self, unit: str, interface: str, names: Iterable[str]) -> dict[str, Any]: ...
+    async def list_units(self, patterns: Sequence[str]) -> list[tuple[str, str]]: ...
+    async def processes(self, unit: str) -> list[int]: ...
+    async def member_units(self, unit: str) -> set[str]: ...
+    async def watch_unit(self, unit_path: str) -> None: ...
+    async def unwatch_unit(self, unit_path: str) -> None: ...
+
+
+class KernelAPI(Protocol):
+    """What cpuservice asks of the kernel for isolation beyond cgroups (cpuservice.host.irqs)."""
+
+    report: Report
+
+    async def set_cpus(self, holder: str, cpus: CPUSet) -> None: ...
+    async def set_many(self, wants: Mapping[str, CPUSet]) -> None: ...
+    async def get_cpus(self, holder: str) -> CPUSet | None: ...
+    async def settle(self) -> None: ...
+
+
+class Events(Protocol):
+    """What the bus layer is told after each committed change, with the values to publish."""
+
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None: ...
+    def allocation_removed(self, name: str) -> None: ...
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None: ...
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None: ...
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None: ...
+
+
+class NoEvents:
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
+        pass
+
+    def allocation_removed(self, name: str) -> None:
+        pass
+
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
+        pass
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        pass
+
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
+        pass

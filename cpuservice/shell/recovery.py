@@ -1,0 +1,239 @@
+"""Startup: the checkpoint (or, when it is corrupt, the allocations recorded in our slices'
+Descriptions), the current topology and the units systemd has are brought into agreement before
+the service answers anyone. A restart changes no unit that is already right."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import MappingProxyType
+
+from cpuservice.apply import units
+from cpuservice.apply.change import Basis, Change, Durability, Note, effects
+from cpuservice.apply.reconcile import Kind as OpKind
+from cpuservice.apply.reconcile import Op
+from cpuservice.apply.targets import own_slice
+from cpuservice.host import journal
+from cpuservice.host.checkpoint import (
+    CheckpointError,
+    Record,
+    State,
+    from_payload,
+    fsync_dir,
+)
+from cpuservice.host.irqs import KERNEL_HOLDERS
+from cpuservice.model.errors import CPUServiceError
+from cpuservice.model.pools import Allocation, InvariantError, Ledger, check_invariants
+from cpuservice.model.topology import Topology
+from cpuservice.placement.repair import Change as Repaired
+from cpuservice.placement.repair import repair
+from cpuservice.shell.engine import OWN_PATTERNS, Engine, empty_ledger, kernel_holders
+from cpuservice.shell.lifetime import ended as unit_ended
+from cpuservice.shell.ports import UNIT_IFACE, SystemdAPI
+
+log = logging.getLogger(__name__)
+
+
+async def start(engine: Engine) -> None:
+    """Recover the state and make systemd hold it."""
+    began = time.monotonic()
+    async with engine.lock:
+        base = empty_ledger(engine.config, engine.topology)
+        try:
+            payload = engine.store.load()
+        except CheckpointError as exc:
+            aside = engine.store.set_aside()
+            log.error("%s; kept it as %s and rebuilt the state from systemd's units", exc, aside)
+            payload = None
+        source = "checkpoint"
+        if payload is not None:
+            state = from_payload(payload, base)
+        else:
+            source = "units"  # no checkpoint (lost, or never written): our slices say what runs
+            state = await from_units(engine.systemd, base)
+            if state.ledger.allocations:
+                log.warning("no checkpoint: rebuilt %d allocation(s) from their slices",
+                            len(state.ledger.allocations))
+        if state.ledger.granularity != base.granularity:
+            log.warning("checkpoint uses granularity %d, config says %d: keeping %d until "
+                        "every allocation is released", state.ledger.granularity,
+                        base.granularity, state.ledger.granularity)
+        gone = await vanished(engine.systemd, state)
+        ended_now = [n for n in await ended(engine.systemd, state)
+                     if own_slice(state.records[n])]
+        events = [journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason)
+                  for names, reason in ((gone, "its unit is gone"), (ended_now, "its unit ended"))
+                  for name in names]
+        steps = forget(state, gone)
+        state = without(state, gone + ended_now)
+        ledger, changes = repair(engine.topology, state.ledger)
+        new = State(ledger, state.records)
+        check_invariants(ledger)
+        mark_confinement(engine)  # before systemd confines anything: a crash cannot hide it
+        # serve even when the state cannot be written: what this start derived (repair,
+        # releases of vanished units) follows from the checkpoint and systemd again at the next
+        # start; changes that need a write are refused until one succeeds (the status says so)
+        engine.adopt(new)
+        await engine.apply(Change(
+            new, None, durability=Durability.SERVE_READ_ONLY, basis=Basis.OBSERVED,
+            steps=steps,
+            events=tuple(events + restored(engine.topology, new, changes, source))))
+        engine.counters.repair("startup", time.monotonic() - began, len(changes))
+        await confinement(engine)
+        # foreign units whose lifetime=unit allocation ended while the daemon was down get
+        # their saved values back, and only then is the allocation forgotten
+        for name in await ended(engine.systemd, engine.state):
+            try:
+                await release(engine, name, "its unit ended")
+            except CPUServiceError as exc:
+                log.error("cannot release %s, whose unit ended: %s", name, exc)
+
+
+def restored(topology: Topology, state: State, changes: list[Repaired],
+             source: str) -> list[journal.Event]:
+    """The audit trail of a start: each allocation kept (from the checkpoint or the units),
+    and what the startup repair changed (pure)."""
+    repaired = {c.name: c for c in changes}
+    events = []
+    for name in sorted(state.ledger.allocations):
+        events.append(journal.event(journal.Kind.RESTORED, topology, state, name,
+                                    f"from the {source}", source=source))
+        if (c := repaired.get(name)) is not None:
+            events.append(journal.event(journal.Kind.REPAIRED, topology, state, name, c.reason,
+                                        lost=c.lost.format(), gained=c.gained.format()))
+    return events
+
+
+CONFINED_MARK = "host-confined"  # beside the checkpoint: the host units have the shared pool
+
+
+def _marks(engine: Engine) -> dict[str, Path]:
+    state_dir = Path(engine.config.state_file).parent
+    return {"host": state_dir / CONFINED_MARK,
+            **{h: state_dir / f"isolated-{h.split(':')[1]}" for h in KERNEL_HOLDERS}}
+
+
+def mark_confinement(engine: Engine) -> None:
+    """Remember what this configuration confines (confine_host, isolate_*)."""
+    marks = _marks(engine)
+    on = {"host": engine.config.confine_host,
+          **{h: h in kernel_holders(engine.config) for h in KERNEL_HOLDERS}}
+    for key, path in marks.items():
+        if on[key] and not path.exists():
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.touch()
+                fsync_dir(path.parent)
+            except OSError as exc:
+                log.error("cannot write %s (%s): a crash now would not remember what this "
+                          "configuration confines", path, exc.strerror)
+
+
+async def confinement(engine: Engine) -> None:
+    """Give every CPU back to what an earlier run (or configuration) confined and this one
+    does not: the host's units (confine_host), interrupts and workqueues (isolate_*). The
+    Debian package's prerm does the same on removal, also when the daemon is down."""
+    marks = _marks(engine)
+    if not engine.config.confine_host and marks["host"].exists():
+        every = {"AllowedCPUs": ("ay", b"")}  # empty: no restriction
+        await engine.apply(effects(*(Op(OpKind.RESTORE, unit, every)
+                                     for unit in units.CONFINED)))
+        marks["host"].unlink()
+        log.info("confine_host is off: %s have every CPU again", ", ".join(units.CONFINED))
+    for holder in KERNEL_HOLDERS:
+        if (holder not in kernel_holders(engine.config) and marks[holder].exists()
+                and engine.kernel is not None):
+            online = {"AllowedCPUs": ("ay", engine.topology.online.to_mask())}
+            await engine.apply(effects(Op(OpKind.SET, holder, online)))
+            await engine.settle()  # written before the mark that says it must be goes
+            marks[holder].unlink()
+            log.info("%s: isolation is off, every online CPU again", holder)
+
+
+async def release(engine: Engine, name: str, reason: str) -> None:
+    """Forget an allocation (under the engine's lock). A foreign unit's saved values stay in
+    the checkpoint until systemd has taken them back."""
+    state = engine.state
+    records = dict(state.records)
+    record = records.pop(name, Record())
+    await engine.apply(Change(
+        State(state.ledger.without(name), records), frozenset({name}),
+        durability=Durability.FIRST if own_slice(record) else Durability.AFTER,
+        notes=(Note(journal.Kind.RELEASED, name, reason, before=True),)))
+
+
+async def from_units(systemd: SystemdAPI, base: Ledger) -> State:
+    """Rebuild allocations from the Descriptions of our slices (checkpoint lost)."""
+    allocations: dict[str, Allocation] = {}
+    records: dict[str, Record] = {}
+    for unit, _ in await systemd.list_units(OWN_PATTERNS):
+        text = (await systemd.get(unit, UNIT_IFACE, ["Description"])).get("Description", "")
+        if not units.made_by_us(unit, text):
+            continue
+        try:
+            allocation, record = units.from_description(units.parse_description(text) or {}, unit)
+        except (CPUServiceError, KeyError, ValueError) as exc:
+            log.error("cannot rebuild allocation from %s: %s", unit, exc)
+            continue
+        allocations[allocation.name] = allocation
+        records[allocation.name] = record
+    ledger = replace(base, allocations=MappingProxyType(allocations))
+    try:
+        check_invariants(ledger)
+    except InvariantError as exc:  # two slices claim one CPU: keep neither's claim
+        log.error("rebuilt allocations conflict (%s): keeping the first of each", exc)
+        ledger = base
+        for a in allocations.values():
+            try:
+                check_invariants(ledger.with_allocation(a))
+                ledger = ledger.with_allocation(a)
+            except InvariantError:
+                log.error("dropped rebuilt allocation %s: its CPUs are taken", a.name)
+                records.pop(a.name, None)
+    return State(ledger, records)
+
+
+async def vanished(systemd: SystemdAPI, state: State) -> list[str]:
+    """Allocations on foreign units that no longer exist (not found, masked, broken): nothing
+    to apply to or restore. They are logged and forgotten (``forget``: the runtime drop-ins
+    cpuservice wrote for them go); they never stop the daemon from starting. (A unit that is
+    merely stopped, and unloaded by systemd, still exists: it keeps its allocation.)"""
+    gone = []
+    for name, record in state.records.items():
+        if own_slice(record) or name not in state.ledger.allocations:
+            continue
+        try:
+            load = await systemd.load_state(record.unit)
+        except CPUServiceError as exc:  # systemd could not say: keep it, ask again later
+            log.warning("allocation %s: cannot tell whether %s exists: %s", name, record.unit,
+                        exc)
+            continue
+        if load != "loaded":
+            log.warning("allocation %s: its unit %s is %s; forgetting it", name, record.unit,
+                        load)
+            gone.append(name)
+    return gone
+
+
+def forget(state: State, names: list[str]) -> tuple[Op, ...]:
+    """The steps that remove the runtime drop-ins cpuservice wrote for the vanished foreign
+    units ``names`` (nothing is set: there is nothing to set it on)."""
+    return tuple(Op(OpKind.RESTORE, state.records[n].unit, forget=state.records[n].fresh,
+                    keep=True) for n in names if state.records[n].fresh)
+
+
+async def ended(systemd: SystemdAPI, state: State) -> list[str]:
+    """lifetime=unit allocations whose unit is gone (or empty after having run)."""
+    return [name for name, a in state.ledger.allocations.items()
+            if a.request.options.lifetime == "unit"
+            and await unit_ended(systemd, state.records.get(name, Record()))]
+
+
+def without(state: State, names: list[str]) -> State:
+    ledger, records = state.ledger, dict(state.records)
+    for name in names:
+        ledger = ledger.without(name)
+        records.pop(name, None)
+    return State(ledger, records)

@@ -1,0 +1,415 @@
+"""The use cases: what a caller can ask of the service (reads, allocate, release, resize,
+attach, revalidate). Requests are validated once (request, placement), planned purely, and
+committed through the engine (checkpoint, reconcile transaction, events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from decimal import Decimal
+from typing import Any
+
+from cpuservice import placement
+from cpuservice.apply import partitions, units
+from cpuservice.apply.change import Basis, Change, Durability, Note, effects
+from cpuservice.apply.reconcile import Kind as OpKind
+from cpuservice.apply.reconcile import Op
+from cpuservice.apply.targets import own_slice, partition_mode, partition_of, partition_of_request
+from cpuservice.host import journal
+from cpuservice.host.checkpoint import Record, State
+from cpuservice.host.journal import Kind
+from cpuservice.host.sysfs import discover, refresh
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.errors import (
+    AllocationExists,
+    CheckpointWriteError,
+    CPUServiceError,
+    InvalidArgument,
+    LimitExceeded,
+    NoSuchAllocation,
+    SystemdFailure,
+)
+from cpuservice.model.pools import Allocation, Ledger
+from cpuservice.model.props import Props
+from cpuservice.model.request import Request, parse_amount, validate_name
+from cpuservice.model.topology import Topology
+from cpuservice.placement import Placement
+from cpuservice.placement.repair import repair
+from cpuservice.shell import recovery
+from cpuservice.shell.engine import Engine
+from cpuservice.shell.lifetime import Lifetime
+from cpuservice.shell.ports import UNIT_IFACE, Events, cgroup_iface
+
+log = logging.getLogger(__name__)
+PARTITION_CHECK_SECONDS = 5.0
+
+
+class Service:
+    def __init__(self, engine: Engine, lifetime: Lifetime) -> None:
+        self.engine = engine
+        self.config = engine.config
+        self.systemd = engine.systemd
+        self.lifetime = lifetime
+        self.lock = engine.lock
+        self._attached = 0
+        # Attach scopes are named <name>-<boot tag>-<n>: unique across restarts of the daemon
+        self._tag = secrets.token_hex(4)
+        # an allocation's identity, beyond its name: a caller authorized for one allocation
+        # must not act on another that took its name meanwhile
+        self._serials: dict[str, int] = {}
+        self._releasing: set[str] = set()  # own slices being stopped before their release
+        self._next_serial = itertools.count(1)
+        self._partition_watch: asyncio.Task[None] | None = None
+        self._reset: dict[str, partitions.State | None] = {}  # partitions set again, and why
+
+    # ---- reads ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> State:
+        return self.engine.state
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.engine.state.ledger
+
+    @property
+    def topology(self) -> Topology:
+        return self.engine.topology
+
+    @property
+    def events(self) -> Events:
+        return self.engine.events
+
+    @events.setter
+    def events(self, events: Events) -> None:
+        self.engine.events = events
+
+    def allocation(self, name: str) -> Allocation:
+        try:
+            return self.ledger.allocations[name]
+        except KeyError:
+            raise NoSuchAllocation(f"no allocation named {name!r}") from None
+
+    def record(self, name: str) -> Record:
+        return self.state.records.get(name, Record())
+
+    def serial(self, name: str) -> int:
+        """The identity of the allocation called ``name`` now (NoSuchAllocation if none)."""
+        self.allocation(name)
+        return self._serials.setdefault(name, next(self._next_serial))
+
+    def _not_releasing(self, name: str) -> None:
+        """Under the lock: refuse a call about an allocation whose slice is being stopped."""
+        if name in self._releasing:
+            raise InvalidArgument(f"allocation {name!r} is being released (its processes are "
+                                  "stopping)")
+
+    def _same(self, name: str, serial: int | None) -> None:
+        """Under the lock: ``name`` is still the allocation the caller was authorized for."""
+        if self.serial(name) != serial and serial is not None:
+            raise NoSuchAllocation(f"allocation {name!r} was released and allocated again "
+                                   "meanwhile; ask again")
+
+    def check_limits(self, owner: int, name: str, ledger: Ledger) -> None:
+        """Per-user limits of an unprivileged owner (LimitExceeded), on ``ledger`` as it would
+        be after the change, in which ``name`` is the owner's. What an allocation costs is what
+        it takes from the host: a bound one the CPUs it takes out of the shared pool (its whole
+        CPUs and its fragment CPU: 0.51 costs a CPU), an unbound one its amount (its CPUQuota
+        and CPUWeight follow it). A CPU several of the owner's allocations share counts once."""
+        cfg = self.config
+        records = self.state.records
+        mine = [a for n, a in ledger.allocations.items()
+                if n == name or (n in records and records[n].owner == owner)]
+        if cfg.max_allocations_per_user and len(mine) > cfg.max_allocations_per_user:
+            raise LimitExceeded(f"user {owner} has {len(mine) - 1} allocations; the limit is "
+                                f"max_allocations_per_user={cfg.max_allocations_per_user}")
+        limit = cfg.cpu_limit(len(ledger.online))
+        if limit is None:
+            return
+        bound = len(CPUSet.union_all(a.held for a in mine if a.bound))
+        unbound = sum((a.request.cpus for a in mine if not a.bound), Decimal(0))
+        if bound + unbound > limit:
+            raise LimitExceeded(
+                f"user {owner} would hold {bound} CPUs taken from the shared pool and "
+                f"{unbound.normalize()} unbound; the limit is "
+                f"max_cpus_per_user={cfg.max_cpus_per_user} ({limit.normalize()} CPUs)")
+
+    def placement_of(self, name: str) -> Placement:
+        return placement.describe(self.topology, self.ledger, self.allocation(name))
+
+    def request(self, cpus: str, options: Mapping[str, Any]) -> Request:
+        """A validated request; its partition is the one it can have (see partitions.check)."""
+        request = Request.parse(cpus, options, self.config.defaults)
+        opts = request.options
+        wanted = partition_of_request(request)
+        effective = partitions.check(wanted, "partition" in options, opts.bind,
+                                     request.fraction == 0, opts.unit, self.engine.capabilities)
+        if effective != wanted:
+            request = Request.parse(cpus, {**options, "partition": str(effective)},
+                                    self.config.defaults)
+        return request
+
+    def plan(self, cpus: str, options: Mapping[str, Any]) -> Placement:
+        return placement.place(self.topology, self.ledger, self.request(cpus, options))
+
+    def capacity(self, cpus: str, options: Mapping[str, Any]) -> int:
+        return placement.capacity(self.topology, self.ledger, self.request(cpus, options))
+
+    # ---- changes -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Learn what the host can do, recover (checkpoint, topology, systemd), then follow
+        lifetime=unit allocations and the kernel's reports of partitions."""
+        await self.engine.detect_capabilities()
+        await recovery.start(self.engine)
+        await self.lifetime.watch_all()
+        self.lifetime.schedule()
+        await self._heal_quietly()
+        partitioned = any(partition_of(a) != partitions.NONE
+                          for a in self.ledger.allocations.values())
+        if (self.engine.capabilities.partitions or partitioned) and self._partition_watch is None:
+            self._partition_watch = asyncio.create_task(self._watch_partitions())
+
+    async def _watch_partitions(self) -> None:
+        """Something outside cpuservice can make a partition invalid (a foreign partition on
+        the same CPUs, every CPU of it offline): look again every PARTITION_CHECK_SECONDS."""
+        while True:
+            await asyncio.sleep(PARTITION_CHECK_SECONDS)
+            await self._heal_quietly()
+
+    async def _heal_quietly(self) -> None:
+        """heal_partitions(), whose failure is logged, never raised: neither startup nor the
+        watch stops on one failed look."""
+        try:
+            await self.heal_partitions()
+        except Exception:
+            log.exception("checking partitions failed")
+
+    async def heal_partitions(self) -> None:
+        """Announce partitions the kernel reports invalid (degraded), and set each such slice's
+        partition again (member, then what it asked for), so the kernel checks it anew; what
+        stays invalid stays degraded, with the kernel's reason, until the next look."""
+        if not any(partition_of(a) != partitions.NONE
+                   for a in self.ledger.allocations.values()):
+            return
+        async with self.lock:
+            wrote = False
+            for name in await self.engine.check_partitions():
+                a, unit = self.allocation(name), self.record(name).unit
+                report = self.engine.partition_report(name)
+                # once per report: a partition that stays invalid for the same reason is not
+                # set again every few seconds (each set rebuilds the scheduler's domains)
+                if not a.held or self._reset.get(name) == report:
+                    continue
+                self._reset[name] = report
+                wanted = partition_mode(a, self.ledger)
+                # a member, then what it asked for again (undone: what it asked for)
+                asked = {partitions.PROPERTY: ("s", str(wanted))}
+                await self.engine.apply(effects(
+                    Op(OpKind.RESTORE, unit, {partitions.PROPERTY: ("s", partitions.MEMBER)},
+                       asked),
+                    Op(OpKind.RESTORE, unit, asked)))
+                wrote = True
+                log.info("allocation %s: set the partition of %s again", name, unit)
+            for name in [n for n in self._reset if n not in self.ledger.allocations
+                         or not partitions.degraded(partition_mode(self.allocation(n), self.ledger),
+                                                    self.engine.partition_report(n))]:
+                del self._reset[name]
+            if wrote:
+                await self.engine.check_partitions("partition repaired")
+
+    async def allocate(
+        self, name: str, cpus: str, options: Mapping[str, Any], owner: int,
+        limited: bool = False,
+    ) -> Allocation:
+        """``limited``: the owner is an unprivileged user, held to the per-user limits."""
+        validate_name(name)
+        units.check_unit_names(name)
+        request = self.request(cpus, options)
+        async with self.lock:
+            if name in self.ledger.allocations:
+                raise AllocationExists(f"allocation {name!r} already exists")
+            unit, saved, fresh = await self._target_unit(name, request)
+            ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
+            if limited:
+                self.check_limits(owner, name, ledger)
+            record = Record(owner, unit, saved, fresh=fresh)
+            await self.engine.apply(Change(State(ledger, {**self.state.records, name: record}),
+                                           frozenset({name}),
+                                           notes=(Note(Kind.ALLOCATED, name),)))
+            self._serials[name] = next(self._next_serial)
+            if request.options.lifetime == "unit":
+                self.lifetime.track(name)
+                if not own_slice(record):
+                    await self.lifetime.watch(name, unit)
+            return allocation
+
+    async def _target_unit(self, name: str, request: Request
+                           ) -> tuple[str, Props, tuple[str, ...]]:
+        """The unit an allocation applies to; for a foreign unit also its current values and
+        the properties it has no runtime override for (see Record.fresh)."""
+        unit = request.options.unit
+        if unit is None:
+            return units.slice_name(name, request.options.bind,
+                                    partition_of_request(request)), {}, ()
+        for other, rec in self.state.records.items():
+            if rec.unit == unit:
+                raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")
+        if unit.startswith("cpuservice"):
+            raise InvalidArgument(f"unit {unit!r} belongs to cpuservice itself")
+        if unit in units.CONFINED:
+            raise InvalidArgument(f"unit {unit!r} holds the shared pool (confine_host) and "
+                                  "cannot carry an allocation")
+        current = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
+        if not current:
+            raise InvalidArgument(f"unit {unit!r} is not loaded")
+        info = await self.systemd.get(unit, UNIT_IFACE, ["DropInPaths", "LoadState"])
+        if info.get("LoadState", "loaded") != "loaded":
+            raise InvalidArgument(f"unit {unit!r} is {info['LoadState']}")
+        fresh = units.fresh_props(unit, info.get("DropInPaths", []))
+        return unit, units.saved_props(current, units.CPU_PROPERTIES), fresh
+
+    async def release(self, name: str, reason: str = "released",
+                      serial: int | None = None) -> None:
+        """``serial``: act only if ``name`` is still that allocation (see serial()).
+
+        An allocation's own slice is stopped first, without the lock: systemd may take up to
+        its stop timeout (90 s for a process that ignores SIGTERM) and nobody else waits for
+        that. Meanwhile the allocation keeps its CPUs in the ledger (so no one else is placed
+        on CPUs its processes may still run on) and other calls about it are refused; then the
+        release is committed as usual (its slice is gone: the stop step is instant)."""
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            serial = self.serial(name)
+            record = self.record(name)
+            if own_slice(record):
+                self._releasing.add(name)
+        stopped = name in self._releasing
+        if stopped:
+            try:
+                if self.engine.store.write_error:  # the release could not be recorded
+                    raise CheckpointWriteError(self.engine.store.write_error)
+                await self.engine.apply(effects(Op(OpKind.STOP, record.unit)))
+            finally:
+                self._releasing.discard(name)
+        async with self.lock:
+            self._same(name, serial)
+            ledger = placement.release(self.ledger, name)
+            records = dict(self.state.records)
+            record = records.pop(name, Record())
+            # a foreign unit's saved values leave the checkpoint only once systemd has them back
+            try:
+                await self.engine.apply(Change(
+                    State(ledger, records), frozenset({name}),
+                    durability=Durability.FIRST if own_slice(record) else Durability.AFTER,
+                    notes=(Note(Kind.RELEASED, name, reason, before=True),)))
+            except CPUServiceError:
+                if stopped:  # the allocation stays: its slice comes back (empty), as recorded
+                    try:
+                        await self.engine.apply(Change(self.state, None,
+                                                       durability=Durability.NONE,
+                                                       basis=Basis.OBSERVED))
+                    except CPUServiceError as exc:
+                        log.error("cannot start %s again after a failed release: %s",
+                                  record.unit, exc)
+                raise
+            self._serials.pop(name, None)
+            await self.lifetime.unwatch(name)
+
+    async def resize(self, name: str, cpus: str, serial: int | None = None,
+                     limited: bool = False) -> Allocation:
+        amount = parse_amount(cpus)
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            old = self.allocation(name)
+            if partition_of(old) != partitions.NONE and amount != int(amount):
+                raise InvalidArgument(
+                    f"allocation {name!r} is a {partition_of(old)} partition: it needs a whole "
+                    f"number of CPUs, not {cpus}")
+            ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
+            if limited and amount > old.request.cpus:
+                self.check_limits(self.record(name).owner, name, ledger)
+            await self.engine.apply(Change(
+                State(ledger, self.state.records), frozenset({name}),
+                {name: f"resized to {amount}"},
+                notes=(Note(Kind.RESIZED, name, f"from {old.request.cpus} CPUs"),)))
+            return allocation
+
+    async def attach(self, name: str, pids: Sequence[int], serial: int | None = None) -> str:
+        """Move running processes into a new transient scope in the allocation's slice."""
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            allocation = self.allocation(name)
+            record = self.record(name)
+            own = units.slice_name(name, allocation.bound, partition_of(allocation))
+            if record.unit != own:
+                raise InvalidArgument(
+                    f"allocation {name!r} applies to unit {record.unit!r}: start processes there"
+                )
+            if not pids:
+                raise InvalidArgument("no PIDs to attach")
+            self._attached += 1
+            scope = units.attach_scope(name, self._tag, self._attached)
+            props: Props = {"PIDs": ("au", list(pids)), "Slice": ("s", own),
+                                  "Description": ("s", f"processes attached to {name}")}
+            # the scope is kept whatever follows: stopping it would kill the processes it holds
+            start = Op(OpKind.START, scope, props, keep=True)
+            note = Note(Kind.ATTACHED, name,
+                        extra={"scope": scope, "pids": ",".join(str(p) for p in pids)})
+            state = self.state if record.populated else State(
+                self.ledger, {**self.state.records, name: replace(record, populated=True)})
+            try:
+                await self.engine.apply(Change(
+                    state, frozenset({name}), steps=(start,), notes=(note,),
+                    durability=Durability.NONE if record.populated else Durability.FIRST))
+            except SystemdFailure as exc:
+                raise InvalidArgument(f"cannot attach PIDs {list(pids)}: {exc}") from None
+            self.lifetime.member(scope, name)
+            return scope
+
+    async def revalidate(self, full: bool = True) -> None:
+        """Re-read the topology and repair (the same repair runs at startup). ``full`` also
+        re-checks every unit against systemd; CPU hotplug applies just the differences."""
+        began = time.monotonic()
+        async with self.lock:
+            old_topology = self.topology
+            if full:
+                topology = discover(self.config.sysfs_root, previous=old_topology)
+            else:
+                topology = refresh(self.config.sysfs_root, old_topology)
+            state = before = self.state
+            await self.engine.check_partitions("hotplug")  # what the event did to partitions
+            gone: list[str] = []
+            if full:  # a foreign unit that vanished: nothing to apply to, nothing to restore
+                gone = await recovery.vanished(self.systemd, state)
+                state = recovery.without(state, gone)
+            ledger, changes = repair(topology, state.ledger)
+            reasons = {c.name: c.reason for c in changes}
+            if topology == old_topology and not reasons and not full:
+                return
+            # Not a caller's request: systemd first, then the checkpoint, which a restart
+            # would repair the same way from the old one.
+            dropped = [journal.event(Kind.RELEASED, old_topology, before, name,
+                                     "its unit is gone") for name in gone]
+            notes = tuple(Note(Kind.REPAIRED, c.name, c.reason, {
+                "lost": c.lost.format(), "gained": c.gained.format()}) for c in changes)
+            await self.engine.apply(Change(
+                State(ledger, state.records), None, reasons,
+                durability=Durability.FIRST if full else Durability.AFTER,
+                basis=Basis.OBSERVED if full else Basis.RECORDED, topology=topology,
+                steps=recovery.forget(before, gone), notes=notes, events=tuple(dropped)))
+            seconds = time.monotonic() - began
+            self.engine.counters.repair("revalidate" if full else "hotplug", seconds,
+                                        len(changes))
+            log.info("%s: online %s; %d allocation(s) repaired (%.0f ms)",
+                     "revalidate" if full else "CPU hotplug", topology.online, len(changes),
+                     seconds * 1000)
