@@ -22,7 +22,7 @@ from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InvalidArgument
 from cpuservice.model.pools import Allocation, Fragment
 from cpuservice.model.props import Props
-from cpuservice.model.request import Request, parse_options
+from cpuservice.model.request import OPTIONS, OptionKind, Request, parse_options
 from cpuservice.model.state import Record
 from cpuservice.placement import Placement
 
@@ -169,15 +169,19 @@ def describe(name: str, fields: Mapping[str, str]) -> str:
     return f"cpuservice allocation {name} ({details})"
 
 
+# the options a Description always records, in this order, and those it records when set
+# (a partition, explicit CPUs), after the owner and the whole CPUs
+OPTIONAL = tuple(o for o in OPTIONS if o.key in ("partition", "cpuset"))
+DESCRIBED = tuple(o for o in OPTIONS if o.described and o not in OPTIONAL)
+
+
 def description_fields(a: Allocation, record: Record) -> dict[str, str]:
     opts = a.request.options
-    fields = {
-        "cpus": str(a.request.cpus), "bind": str(opts.bind).lower(), "policy": opts.policy,
-        "exclusive": opts.exclusive, "numa-strategy": opts.numa_strategy,
-        "numa-alignment": opts.numa_alignment, "memory-nodes": str(opts.memory_nodes).lower(),
-        "lifetime": opts.lifetime, "owner": str(record.owner),
-        "whole": a.whole.format() or "-",
-    }
+    fields = {"cpus": str(a.request.cpus)}
+    for spec in DESCRIBED:
+        value = getattr(opts, spec.field)
+        fields[spec.key] = str(value).lower() if spec.kind is OptionKind.FLAG else str(value)
+    fields.update(owner=str(record.owner), whole=a.whole.format() or "-")
     partition = str(opts.partition)
     if partition != partitions.NONE:
         fields["partition"] = partition
@@ -192,11 +196,12 @@ def from_description(fields: Mapping[str, str], unit: str) -> tuple[Allocation, 
     """The allocation a Description recorded (KeyError, ValueError or CPUServiceError when it
     does not hold one)."""
     name = fields["name"]
-    options: dict[str, Any] = {k: fields[k] for k in
-                               ("policy", "exclusive", "numa-strategy", "numa-alignment",
-                                "lifetime", "cpuset", "partition") if k in fields}
-    options["bind"] = fields["bind"] == "true"
-    options["memory-nodes"] = fields["memory-nodes"] == "true"
+    options: dict[str, Any] = {}
+    for spec in (*DESCRIBED, *OPTIONAL):
+        if spec.kind is OptionKind.FLAG:
+            options[spec.key] = fields[spec.key] == "true"
+        elif spec.key in fields:
+            options[spec.key] = fields[spec.key]
     request = Request.build(Decimal(fields["cpus"]), parse_options(options))
     fragment = None
     if "fragment" in fields:

@@ -67,37 +67,34 @@ def choices(vocabulary: Any) -> tuple[str, ...]:
     return tuple(str(v) for v in get_args(vocabulary))
 
 
-def add_option_args(p: argparse.ArgumentParser, bind_flag: bool = True) -> None:
-    if bind_flag:
-        p.add_argument("--bind", action="store_true", help="bound (exclusive) CPUs")
-    p.add_argument("--policy", choices=choices(request.Policy),
-                   help="which CPUs a bound allocation takes")
-    p.add_argument("--exclusive", choices=choices(request.Exclusive),
-                   help="what a bound allocation shares with others")
-    p.add_argument("--numa-strategy", choices=choices(request.NumaStrategy),
-                   help="which NUMA nodes come first")
-    p.add_argument("--numa-alignment", choices=choices(request.NumaAlignment),
-                   help="how strictly to keep to few NUMA nodes")
-    p.add_argument("--cpuset", help="explicit CPUs (cpu list); implies --bind")
-    p.add_argument("--memory-nodes", action="store_true",
-                   help="also restrict memory to the CPUs' NUMA nodes")
-    if hasattr(request, "Partition"):
-        p.add_argument("--partition", choices=choices(request.Partition),
-                       help="cgroup cpuset partition for a bound allocation")
+def add_option_args(p: argparse.ArgumentParser, bind_flag: bool = True,
+                    allocate: bool = False) -> None:
+    """The request options as arguments (cpuservice.model.request.OPTIONS); ``allocate``: also
+    those only Allocate takes (unit, lifetime)."""
+    for spec in request.OPTIONS:
+        if (spec.key == "bind" and not bind_flag) or not (spec.shapes_placement or allocate):
+            continue
+        flag = f"--{spec.key}"
+        if spec.kind is request.OptionKind.FLAG:
+            p.add_argument(flag, action="store_true", help=spec.help)
+        elif spec.vocabulary is not None:
+            p.add_argument(flag, choices=choices(spec.vocabulary), help=spec.help)
+        else:
+            p.add_argument(flag, help=spec.help)
 
 
 def options_of(args: argparse.Namespace) -> dict[str, Any]:
     """The Allocate/Plan/Capacity option map from parsed arguments (only what was given)."""
     opts: dict[str, Any] = {}
-    if getattr(args, "bind", False) or getattr(args, "cpuset", None):
+    for spec in request.OPTIONS:
+        value = getattr(args, spec.key.replace("-", "_"), None)
+        if spec.kind is request.OptionKind.FLAG:
+            if value:
+                opts[spec.key] = True
+        elif value is not None:
+            opts[spec.key] = str(value)
+    if opts.get("cpuset"):
         opts["bind"] = True
-    for key in ("policy", "exclusive", "numa_strategy", "numa_alignment", "cpuset", "unit",
-                "lifetime", "partition"):
-        value = getattr(args, key, None)
-        if value is not None:
-            opts[key.replace("_", "-")] = str(value)
-    if getattr(args, "memory_nodes", False):
-        opts["memory-nodes"] = True
     return opts
 
 
@@ -148,9 +145,7 @@ def parser() -> argparse.ArgumentParser:
     alloc = sub.add_parser("allocate", help="create an allocation")
     alloc.add_argument("name")
     alloc.add_argument("cpus")
-    add_option_args(alloc)
-    alloc.add_argument("--unit", help="apply to this existing unit instead of a new slice")
-    alloc.add_argument("--lifetime", choices=choices(request.Lifetime))
+    add_option_args(alloc, allocate=True)
     rel = sub.add_parser("release", help="release an allocation")
     rel.add_argument("name")
     res = sub.add_parser("resize", help="change an allocation's size")

@@ -87,6 +87,50 @@ class Options(compat.StrictModel):
 OPTION_KEYS = compat.field_aliases(Options)
 
 
+class OptionKind(StrEnum):
+    FLAG = "flag"  # a boolean: --key on the command line
+    CHOICE = "choice"  # one word of a vocabulary
+    TEXT = "text"  # free text the service checks (a cpu list, a unit name)
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    """One option of Allocate/Plan/Capacity, as everything around the validating model
+    (Options) sees it: the CLI's arguments and their help, the record in a slice's Description,
+    the man page and the shell completion (their tests check them against this table)."""
+
+    key: str  # the a{sv} key, the CLI's --key, the Description's field
+    field: str  # the attribute of Options
+    kind: OptionKind
+    help: str
+    vocabulary: type[StrEnum] | None = None
+    shapes_placement: bool = True  # Plan and Capacity take it too (unit, lifetime: Allocate only)
+    described: bool = True  # recorded in the Description of the allocation's own slice
+
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    OptionSpec("bind", "bind", OptionKind.FLAG, "bound (exclusive) CPUs"),
+    OptionSpec("policy", "policy", OptionKind.CHOICE, "which CPUs a bound allocation takes",
+               Policy),
+    OptionSpec("exclusive", "exclusive", OptionKind.CHOICE,
+               "what a bound allocation shares with others", Exclusive),
+    OptionSpec("numa-strategy", "numa_strategy", OptionKind.CHOICE,
+               "which NUMA nodes come first", NumaStrategy),
+    OptionSpec("numa-alignment", "numa_alignment", OptionKind.CHOICE,
+               "how strictly to keep to few NUMA nodes", NumaAlignment),
+    OptionSpec("memory-nodes", "memory_nodes", OptionKind.FLAG,
+               "also restrict memory to the CPUs' NUMA nodes"),
+    OptionSpec("lifetime", "lifetime", OptionKind.CHOICE,
+               "how long the allocation lives", Lifetime, shapes_placement=False),
+    OptionSpec("partition", "partition", OptionKind.CHOICE,
+               "cgroup cpuset partition for a bound allocation", Partition),
+    OptionSpec("cpuset", "cpuset", OptionKind.TEXT, "explicit CPUs (cpu list); implies --bind"),
+    OptionSpec("unit", "unit", OptionKind.TEXT,
+               "apply to this existing unit instead of a new slice", shapes_placement=False,
+               described=False),
+)
+
+
 def validate_name(name: str) -> str:
     """Allocation names: 1-64 of [A-Za-z0-9_.-], starting with a letter or digit."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):

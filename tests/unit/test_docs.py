@@ -115,3 +115,28 @@ printf '%s\\n' "${{COMPREPLY[@]}}"
         assert want in out, out
     else:
         assert not [w for w in out if w.startswith("--sl")], out
+
+
+def test_the_options_table_is_the_validating_model() -> None:
+    """request.OPTIONS (CLI, Descriptions, docs) and request.Options (validation) name the same
+    options, each field once."""
+    assert sorted(o.key for o in request.OPTIONS) == sorted(request.OPTION_KEYS)
+    assert len({o.field for o in request.OPTIONS}) == len(request.OPTIONS)
+    defaults = request.Options()
+    assert all(hasattr(defaults, o.field) for o in request.OPTIONS)
+
+
+def test_every_option_is_completed_and_documented() -> None:
+    """The shell completion and the man pages offer each option of request.OPTIONS, and each
+    vocabulary's words for its value."""
+    completion = (ROOT / "scripts/completion/cpuservicectl").read_text()
+    ctl_page, run_page = page("cpuservicectl.1"), page("cpuservice-run.1")
+    for spec in request.OPTIONS:
+        flag = f"--{spec.key}"
+        assert re.search(rf"(^|[\s\"|(]){flag}($|[\s\"|)])", completion, re.M), flag
+        assert f"*{flag}*" in ctl_page, flag
+        if spec.shapes_placement:
+            assert f"*{flag}*" in run_page, flag
+        if spec.vocabulary is not None:
+            branch = re.search(rf"{flag}\)[^;]*-W \"([^\"]*)\"", completion)
+            assert branch and branch.group(1).split() == list(choices(spec.vocabulary)), flag
