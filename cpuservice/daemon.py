@@ -14,8 +14,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
 
 from dbus_fast import BusType, RequestNameReply
 from dbus_fast.aio import MessageBus
@@ -32,7 +31,7 @@ from cpuservice.host.systemd import Systemd
 from cpuservice.model import config
 from cpuservice.shell.engine import Engine
 from cpuservice.shell.lifetime import Lifetime
-from cpuservice.shell.ports import Events, KernelAPI, SystemdAPI
+from cpuservice.shell.ports import KernelAPI, SystemdAPI
 from cpuservice.shell.service import Service
 
 log = logging.getLogger("cpuserviced")
@@ -53,33 +52,6 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
     systemd.on_unit_new = lifetime.on_unit_new
     systemd.on_unit_state = lifetime.on_unit_state
     return service
-
-
-class Observed:
-    """An Events sink that also calls ``changed`` after each event (STATUS=, the metrics)."""
-
-    def __init__(self, inner: Events, changed: Callable[[], None]) -> None:
-        self.inner, self.changed = inner, changed
-
-    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
-        self.inner.allocation_added(name, values)
-        self.changed()
-
-    def allocation_removed(self, name: str) -> None:
-        self.inner.allocation_removed(name)
-        self.changed()
-
-    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
-        self.inner.allocation_changed(name, reason, changed)
-        self.changed()
-
-    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
-        self.inner.pools_changed(shared, exclusive, fragment)
-        self.changed()
-
-    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
-        self.inner.manager_changed(changed, invalidated)
-        self.changed()
 
 
 def metrics_file(cfg: config.Config, service: Service) -> metrics.Textfile | None:
@@ -129,7 +101,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
         if textfile is not None:
             textfile.changed()
 
-    service.events = Observed(manager, changed)
+    service.on_committed(changed)
     if textfile is not None:
         service.engine.counters.listeners.append(textfile.changed)
     bus.add_message_handler(capture_sender)

@@ -63,7 +63,7 @@ class Manager(ServiceInterface):
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._uids: OrderedDict[str, int] = OrderedDict()
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
-        service.events = self
+        service.subscribe(self)
 
     def export_all(self) -> None:
         self.bus.export(PATH, self)
@@ -198,16 +198,19 @@ class Manager(ServiceInterface):
         await self.count_change(uid)
         await self.service.release(name, serial=serial)
 
+    def count_request(self, method: str, result: str) -> None:
+        self.service.count_request(method, result)
+
     def allocation_values(self, name: str) -> dict[str, Any]:
         """All properties of an allocation, from the service's current state. Computed once
         per state (the state and the topology are replaced, never changed, on every change):
         GetAll and GetManagedObjects read every property of every allocation one at a time."""
-        service = self.service
-        key = (service.state, service.topology, service.engine.partition_report(name))
+        snap = self.service.snapshot()
+        key = (snap.state, snap.topology, snap.partition_report(name))
         cached = self._values.get(name)
         if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
-            cached = self._values[name] = (key, views.allocation(service.topology,
-                                                                 service.state, name, key[2]))
+            cached = self._values[name] = (key, views.allocation(snap.topology, snap.state,
+                                                                 name, key[2]))
         return cached[1]
 
     @method()
@@ -330,8 +333,7 @@ class Manager(ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def IRQIsolation(self) -> "a{sv}":
-        kernel = self.service.engine.kernel
-        report = kernel.report if kernel is not None else None
+        report = self.service.snapshot().irqs
         enabled = self.service.config.isolate_irqs
         return {
             "enabled": Variant("b", enabled),
@@ -347,7 +349,7 @@ class Manager(ServiceInterface):
         """What this host can do beyond AllowedCPUs (cpuset partitions), as detected at
         startup."""
         return {k: Variant(sig, v) for k, (sig, v) in
-                self.service.engine.capabilities.as_dbus().items()}
+                self.service.snapshot().capabilities.as_dbus().items()}
 
     @dbus_property(access=PropertyAccess.READ)
     def Topology(self) -> "s":

@@ -114,9 +114,9 @@ def boundary(fn: F) -> F:
 
 def _count(args: tuple[Any, ...], method: str, result: str) -> None:
     """Count the call for the metrics: "ok" or the error's last name (InvalidArgument)."""
-    service = getattr(args[0], "service", None) if args else None
-    if service is not None:
-        service.engine.counters.request(method, result.rsplit(".", 1)[-1])
+    count = getattr(args[0], "count_request", None) if args else None
+    if count is not None:
+        count(method, result.rsplit(".", 1)[-1])
 
 
 def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
@@ -149,6 +149,8 @@ class AllocationHost(Protocol):
 
     async def release_as_caller(self, name: str) -> None: ...
 
+    def count_request(self, method: str, result: str) -> None: ...
+
 
 class Allocation(ServiceInterface):
     def __init__(self, manager: AllocationHost, name: str) -> None:
@@ -158,6 +160,9 @@ class Allocation(ServiceInterface):
 
     def values(self) -> dict[str, Any]:
         return self.manager.allocation_values(self.allocation)
+
+    def count_request(self, method: str, result: str) -> None:
+        self.manager.count_request(method, result)
 
     @dbus_property(access=PropertyAccess.READ)
     def Name(self) -> "s":

@@ -10,21 +10,31 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from cpuservice.apply import partitions, reconcile, units, views
 from cpuservice.apply.change import Basis, Change, Durability, Note
 from cpuservice.apply.reconcile import UnitSpec
 from cpuservice.apply.targets import Targets, partition_mode, partition_of
 from cpuservice.host import journal, metrics
-from cpuservice.host.checkpoint import State, Store
-from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES
+from cpuservice.host.checkpoint import Store
+from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, SystemdFailure
 from cpuservice.model.pools import Ledger, check_invariants
 from cpuservice.model.props import Props
+from cpuservice.model.state import State
 from cpuservice.model.topology import Topology
-from cpuservice.shell.ports import UNIT_IFACE, Events, KernelAPI, NoEvents, SystemdAPI, cgroup_iface
+from cpuservice.shell.ports import (
+    UNIT_IFACE,
+    Events,
+    Fanout,
+    KernelAPI,
+    SystemdAPI,
+    cgroup_iface,
+)
 
 log = logging.getLogger(__name__)
 OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
@@ -63,6 +73,20 @@ class Effector:
         await self.systemd.remove_overrides(unit, names)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """The engine's state at one instant, for readers."""
+
+    state: State
+    topology: Topology
+    partition_reports: Mapping[str, partitions.State | None]
+    capabilities: partitions.Capabilities
+    irqs: Report | None
+
+    def partition_report(self, name: str) -> partitions.State | None:
+        return self.partition_reports.get(name)
+
+
 def kernel_holders(config: Config) -> tuple[str, ...]:
     """The pseudo-units of the kernel that follow the shared pool, as configured."""
     return (*((IRQS,) if config.isolate_irqs else ()),
@@ -85,7 +109,8 @@ class Engine:
         self.topology = topology
         self.state = State(empty_ledger(config, topology), {})
         self.targets = Targets(config.confine_host, kernel_holders(config))
-        self.events: Events = NoEvents()
+        self.events = Fanout()  # sinks subscribe (subscribe())
+        self.on_committed: list[Callable[[], None]] = []  # after each change: status, metrics
         # committed changes of allocations, one event each (the daemon sends them to journald)
         self.audit: journal.Audit = journal.Journal(native=False)
         self.counters = metrics.Counters()  # requests and repairs, for the metrics
@@ -169,6 +194,21 @@ class Engine:
             self.audit.send(event)
         for note in change.notes:
             self._audit(note, old, old_topology)
+        self._committed()
+
+    def subscribe(self, sink: Events) -> None:
+        """``sink`` is told every committed change, with the values to publish."""
+        self.events.sinks.append(sink)
+
+    def _committed(self) -> None:
+        for callback in self.on_committed:
+            callback()
+
+    def snapshot(self) -> Snapshot:
+        """What readers (the bus, the CLI through it, the metrics) may see: immutable values of
+        this instant, never the engine itself."""
+        return Snapshot(self.state, self.topology, MappingProxyType(dict(self.partition_states)),
+                        self.capabilities, self.kernel.report if self.kernel else None)
 
     async def settle(self) -> None:
         """Wait until the kernel holders have what was last applied to them (give-backs are
@@ -272,6 +312,7 @@ class Engine:
         """Read every partition's report again and announce the allocations whose report
         changed; the allocations the kernel's report now degrades."""
         before = dict(self.partition_states)
+        announced = False
         for name in sorted(await self.observe_partitions()):
             if name in self.state.ledger.allocations:
                 diff = views.changed(
@@ -279,6 +320,9 @@ class Engine:
                     views.allocation(self.topology, self.state, name, self.partition_report(name)))
                 if diff:
                     self.events.allocation_changed(name, reason, diff)
+                    announced = True
+        if announced:
+            self._committed()
         allocations = self.state.ledger.allocations
         return sorted(n for n, report in self.partition_states.items() if n in allocations
                       and partitions.degraded(partition_mode(allocations[n], self.ledger),

@@ -64,6 +64,35 @@ class Events(Protocol):
     def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None: ...
 
 
+class Fanout:
+    """The engine's events, handed to every subscribed sink in turn (the bus; tests' recorders).
+    Sinks that only need to know that something changed (the status line, the metrics file)
+    subscribe to Engine.on_committed instead."""
+
+    def __init__(self) -> None:
+        self.sinks: list[Events] = []
+
+    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.allocation_added(name, values)
+
+    def allocation_removed(self, name: str) -> None:
+        for sink in self.sinks:
+            sink.allocation_removed(name)
+
+    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.allocation_changed(name, reason, changed)
+
+    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
+        for sink in self.sinks:
+            sink.pools_changed(shared, exclusive, fragment)
+
+    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
+        for sink in self.sinks:
+            sink.manager_changed(changed, invalidated)
+
+
 class NoEvents:
     def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
         pass

@@ -10,7 +10,7 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from decimal import Decimal
 from typing import Any
@@ -42,7 +42,7 @@ from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement
 from cpuservice.placement.repair import repair
 from cpuservice.shell import recovery
-from cpuservice.shell.engine import Engine
+from cpuservice.shell.engine import Engine, Snapshot
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.ports import UNIT_IFACE, Events, cgroup_iface
 
@@ -88,7 +88,23 @@ class Service:
 
     @events.setter
     def events(self, events: Events) -> None:
-        self.engine.events = events
+        """The one sink (tests); the daemon's sinks subscribe()."""
+        self.engine.events.sinks[:] = [events]
+
+    def subscribe(self, sink: Events) -> None:
+        """``sink`` is told every committed change (the bus)."""
+        self.engine.subscribe(sink)
+
+    def on_committed(self, callback: Callable[[], None]) -> None:
+        """``callback`` runs after each committed change (the status line, the metrics)."""
+        self.engine.on_committed.append(callback)
+
+    def snapshot(self) -> Snapshot:
+        return self.engine.snapshot()
+
+    def count_request(self, method: str, result: str) -> None:
+        """A finished D-Bus request, for the metrics."""
+        self.engine.counters.request(method, result)
 
     def allocation(self, name: str) -> Allocation:
         try:

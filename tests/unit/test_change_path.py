@@ -48,3 +48,13 @@ def test_the_engine_has_one_apply_and_no_commit() -> None:
     from cpuservice.shell.engine import Engine
     assert hasattr(Engine, "apply")
     assert not hasattr(Engine, "commit") and not hasattr(Engine, "sync")
+
+
+def test_the_bus_reads_snapshots_never_the_engine() -> None:
+    """The bus and the CLI see the service's use cases and its snapshot(), not its engine."""
+    found = []
+    for path in sorted([*(ROOT / "bus").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "engine":
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == []
