@@ -14,8 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from enum import Enum
-from typing import Any, get_args
+from typing import Any
 
 from dbus_fast import Message, MessageType
 
@@ -51,51 +50,12 @@ from cpuservice.cli.ctl_output import (
     user_name,
 )
 from cpuservice.cli.ctl_status import allocation_status, pools_status
+from cpuservice.cli.options import add_option_args, options_of
 from cpuservice.host import dbuscall
-from cpuservice.model import request
 from cpuservice.model.cpuset import CPUSet
 
 WRITES = ("allocate", "release", "resize", "revalidate")
 PAGED = ("status", "list", "show", "plan", "topology")
-
-
-def choices(vocabulary: Any) -> tuple[str, ...]:
-    """The accepted words of one of cpuservice.model.request's vocabularies (a StrEnum, or a
-    Literal in older trees): the CLI and the service speak one vocabulary."""
-    if isinstance(vocabulary, type) and issubclass(vocabulary, Enum):
-        return tuple(str(v.value) for v in vocabulary)
-    return tuple(str(v) for v in get_args(vocabulary))
-
-
-def add_option_args(p: argparse.ArgumentParser, bind_flag: bool = True,
-                    allocate: bool = False) -> None:
-    """The request options as arguments (cpuservice.model.request.OPTIONS); ``allocate``: also
-    those only Allocate takes (unit, lifetime)."""
-    for spec in request.OPTIONS:
-        if (spec.key == "bind" and not bind_flag) or not (spec.shapes_placement or allocate):
-            continue
-        flag = f"--{spec.key}"
-        if spec.kind is request.OptionKind.FLAG:
-            p.add_argument(flag, action="store_true", help=spec.help)
-        elif spec.vocabulary is not None:
-            p.add_argument(flag, choices=choices(spec.vocabulary), help=spec.help)
-        else:
-            p.add_argument(flag, help=spec.help)
-
-
-def options_of(args: argparse.Namespace) -> dict[str, Any]:
-    """The Allocate/Plan/Capacity option map from parsed arguments (only what was given)."""
-    opts: dict[str, Any] = {}
-    for spec in request.OPTIONS:
-        value = getattr(args, spec.key.replace("-", "_"), None)
-        if spec.kind is request.OptionKind.FLAG:
-            if value:
-                opts[spec.key] = True
-        elif value is not None:
-            opts[spec.key] = str(value)
-    if opts.get("cpuset"):
-        opts["bind"] = True
-    return opts
 
 
 def _global_options(top: bool) -> argparse.ArgumentParser:

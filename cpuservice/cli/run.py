@@ -30,7 +30,7 @@ from typing import NoReturn
 
 from cpuservice import __version__
 from cpuservice.cli.client import ALLOCATION, Client, explain, explain_connect, polkit_agent
-from cpuservice.cli.ctl import add_option_args, options_of
+from cpuservice.cli.options import add_option_args, options_of
 from cpuservice.host import dbuscall
 
 EXIT_WRAPPER, EXIT_CANNOT_RUN, EXIT_NOT_FOUND = 125, 126, 127

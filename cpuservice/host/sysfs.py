@@ -13,7 +13,9 @@ import re
 from pathlib import Path
 
 from cpuservice.model.cpuset import EMPTY, MAX_CPU_ID, CPUSet, CPUSetError
-from cpuservice.model.topology import CPUFacts, NodeFacts, Reading, Topology, TopologyError, resolve
+from cpuservice.model.discovery import resolve
+from cpuservice.model.reading import CPUFacts, NodeFacts, Reading
+from cpuservice.model.topology import Topology, TopologyError
 
 _CPU_DIR = re.compile(r"cpu(\d+)$")
 _NODE_DIR = re.compile(r"node(\d+)$")

@@ -23,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
-from cpuservice.model.topology import CPUFacts, NodeFacts, Reading, Topology, resolve
+from cpuservice.model.discovery import resolve
+from cpuservice.model.reading import CPUFacts, NodeFacts, Reading
+from cpuservice.model.topology import Topology
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from decimal import Decimal
 from typing import Any
 
 from cpuservice import placement
@@ -20,18 +19,17 @@ from cpuservice.apply import partitions, units
 from cpuservice.apply.change import Basis, Change, Durability, Note, effects
 from cpuservice.apply.reconcile import Kind as OpKind
 from cpuservice.apply.reconcile import Op
-from cpuservice.apply.targets import own_slice, partition_mode, partition_of, partition_of_request
+from cpuservice.apply.targets import own_slice, partition_of, partition_of_request
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.journal import Kind
 from cpuservice.host.sysfs import discover, refresh
-from cpuservice.model.cpuset import CPUSet
+from cpuservice.model import limits
 from cpuservice.model.errors import (
     AllocationExists,
     CheckpointWriteError,
     CPUServiceError,
     InvalidArgument,
-    LimitExceeded,
     NoSuchAllocation,
     SystemdFailure,
 )
@@ -44,10 +42,10 @@ from cpuservice.placement.repair import repair
 from cpuservice.shell import recovery
 from cpuservice.shell.engine import Engine, Snapshot
 from cpuservice.shell.lifetime import Lifetime
+from cpuservice.shell.partition_watch import PartitionHealer
 from cpuservice.shell.ports import UNIT_IFACE, Events, cgroup_iface
 
 log = logging.getLogger(__name__)
-PARTITION_CHECK_SECONDS = 5.0
 
 
 class Service:
@@ -66,7 +64,7 @@ class Service:
         self._releasing: set[str] = set()  # own slices being stopped before their release
         self._next_serial = itertools.count(1)
         self._partition_watch: asyncio.Task[None] | None = None
-        self._reset: dict[str, partitions.State | None] = {}  # partitions set again, and why
+        self.healer = PartitionHealer(engine)
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -133,28 +131,9 @@ class Service:
                                    "meanwhile; ask again")
 
     def check_limits(self, owner: int, name: str, ledger: Ledger) -> None:
-        """Per-user limits of an unprivileged owner (LimitExceeded), on ``ledger`` as it would
-        be after the change, in which ``name`` is the owner's. What an allocation costs is what
-        it takes from the host: a bound one the CPUs it takes out of the shared pool (its whole
-        CPUs and its fragment CPU: 0.51 costs a CPU), an unbound one its amount (its CPUQuota
-        and CPUWeight follow it). A CPU several of the owner's allocations share counts once."""
-        cfg = self.config
-        records = self.state.records
-        mine = [a for n, a in ledger.allocations.items()
-                if n == name or (n in records and records[n].owner == owner)]
-        if cfg.max_allocations_per_user and len(mine) > cfg.max_allocations_per_user:
-            raise LimitExceeded(f"user {owner} has {len(mine) - 1} allocations; the limit is "
-                                f"max_allocations_per_user={cfg.max_allocations_per_user}")
-        limit = cfg.cpu_limit(len(ledger.online))
-        if limit is None:
-            return
-        bound = len(CPUSet.union_all(a.held for a in mine if a.bound))
-        unbound = sum((a.request.cpus for a in mine if not a.bound), Decimal(0))
-        if bound + unbound > limit:
-            raise LimitExceeded(
-                f"user {owner} would hold {bound} CPUs taken from the shared pool and "
-                f"{unbound.normalize()} unbound; the limit is "
-                f"max_cpus_per_user={cfg.max_cpus_per_user} ({limit.normalize()} CPUs)")
+        """Per-user limits of an unprivileged owner on ``ledger`` as it would be after the
+        change (LimitExceeded; see limits.check)."""
+        limits.check(self.config, self.state.records, owner, name, ledger)
 
     def placement_of(self, name: str) -> Placement:
         return placement.describe(self.topology, self.ledger, self.allocation(name))
@@ -186,59 +165,15 @@ class Service:
         await recovery.start(self.engine)
         await self.lifetime.watch_all()
         self.lifetime.schedule()
-        await self._heal_quietly()
+        await self.healer.heal_quietly()
         partitioned = any(partition_of(a) != partitions.NONE
                           for a in self.ledger.allocations.values())
         if (self.engine.capabilities.partitions or partitioned) and self._partition_watch is None:
-            self._partition_watch = asyncio.create_task(self._watch_partitions())
-
-    async def _watch_partitions(self) -> None:
-        """Something outside cpuservice can make a partition invalid (a foreign partition on
-        the same CPUs, every CPU of it offline): look again every PARTITION_CHECK_SECONDS."""
-        while True:
-            await asyncio.sleep(PARTITION_CHECK_SECONDS)
-            await self._heal_quietly()
-
-    async def _heal_quietly(self) -> None:
-        """heal_partitions(), whose failure is logged, never raised: neither startup nor the
-        watch stops on one failed look."""
-        try:
-            await self.heal_partitions()
-        except Exception:
-            log.exception("checking partitions failed")
+            self._partition_watch = asyncio.create_task(self.healer.watch())
 
     async def heal_partitions(self) -> None:
-        """Announce partitions the kernel reports invalid (degraded), and set each such slice's
-        partition again (member, then what it asked for), so the kernel checks it anew; what
-        stays invalid stays degraded, with the kernel's reason, until the next look."""
-        if not any(partition_of(a) != partitions.NONE
-                   for a in self.ledger.allocations.values()):
-            return
-        async with self.lock:
-            wrote = False
-            for name in await self.engine.check_partitions():
-                a, unit = self.allocation(name), self.record(name).unit
-                report = self.engine.partition_report(name)
-                # once per report: a partition that stays invalid for the same reason is not
-                # set again every few seconds (each set rebuilds the scheduler's domains)
-                if not a.held or self._reset.get(name) == report:
-                    continue
-                self._reset[name] = report
-                wanted = partition_mode(a, self.ledger)
-                # a member, then what it asked for again (undone: what it asked for)
-                asked = {partitions.PROPERTY: ("s", str(wanted))}
-                await self.engine.apply(effects(
-                    Op(OpKind.RESTORE, unit, {partitions.PROPERTY: ("s", partitions.MEMBER)},
-                       asked),
-                    Op(OpKind.RESTORE, unit, asked)))
-                wrote = True
-                log.info("allocation %s: set the partition of %s again", name, unit)
-            for name in [n for n in self._reset if n not in self.ledger.allocations
-                         or not partitions.degraded(partition_mode(self.allocation(n), self.ledger),
-                                                    self.engine.partition_report(n))]:
-                del self._reset[name]
-            if wrote:
-                await self.engine.check_partitions("partition repaired")
+        """See PartitionHealer.heal."""
+        await self.healer.heal()
 
     async def allocate(
         self, name: str, cpus: str, options: Mapping[str, Any], owner: int,

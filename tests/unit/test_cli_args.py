@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from cpuservice.cli import run
-from cpuservice.cli.ctl import allocation_name, choices, parse, parser
+from cpuservice.cli.ctl import allocation_name, parse, parser
 from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, json_mode, nulls, timespan
+from cpuservice.cli.options import choices
 from cpuservice.model import request
 
 

@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 
 from cpuservice.host.sysfs import discover
 from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.discovery import resolve
 from cpuservice.model.fixtures import Machine, Style, write_reading
-from cpuservice.model.topology import CPUFacts, NodeFacts, Reading, TopologyError, resolve
+from cpuservice.model.reading import CPUFacts, NodeFacts, Reading
+from cpuservice.model.topology import TopologyError
 from tests.props import examples
 from tests.unit.test_discovery import consistent
 

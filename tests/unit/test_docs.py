@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cpuservice.cli import run
-from cpuservice.cli.ctl import choices, parser
+from cpuservice.cli.ctl import parser
+from cpuservice.cli.options import choices
 from cpuservice.model import request
 from tests.conftest import unavailable
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from cpuservice.host.irqbalance import Irqbalance
 from cpuservice.host.irqs import (
     IRQS,
     SET_KERNEL,
     WORKQUEUES,
-    Irqbalance,
     Kernel,
     hex_mask,
     parse_hex_mask,
@@ -219,7 +219,7 @@ def test_irqbalance_is_told_its_banned_cpus(tmp_path: Path, monkeypatch) -> None
 
     thread = threading.Thread(target=serve)
     thread.start()
-    monkeypatch.setattr("cpuservice.host.irqs._all_cpus", lambda: CPUSet.parse("0-15"))
+    monkeypatch.setattr("cpuservice.host.irqbalance._all_cpus", lambda: CPUSet.parse("0-15"))
     assert Irqbalance(str(run_dir)).ban(CPUSet.parse("0-3"))
     thread.join(5)
     server.close()
