@@ -128,24 +128,51 @@ class Ledger:
         allocations = dict(self.allocations)
         allocations[allocation.name] = allocation
         bound = dict(self.bound)
-        bound.pop(allocation.name, None)
+        gone = bound.pop(allocation.name, None)
         if allocation.bound:
             bound[allocation.name] = allocation
-        return self._with(allocations, bound)
+        return self._with(allocations, bound, gone, allocation if allocation.bound else None)
 
     def without(self, name: str) -> Ledger:
         allocations = dict(self.allocations)
         del allocations[name]
         bound = dict(self.bound)
-        bound.pop(name, None)
-        return self._with(allocations, bound)
+        gone = bound.pop(name, None)
+        return self._with(allocations, bound, gone, None)
 
-    def _with(self, allocations: dict[str, Allocation], bound: dict[str, Allocation]) -> Ledger:
+    def _with(self, allocations: dict[str, Allocation], bound: dict[str, Allocation],
+              gone: Allocation | None, added: Allocation | None) -> Ledger:
+        """A ledger with other allocations; the pools this one has computed are carried over,
+        less what ``gone`` held and plus what ``added`` holds (bound allocations; whole CPUs
+        never overlap), instead of being derived again from every allocation."""
         new = Ledger.__new__(Ledger)
         for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
             object.__setattr__(new, f, getattr(self, f))
         object.__setattr__(new, "allocations", MappingProxyType(allocations))
         object.__setattr__(new, "bound", MappingProxyType(bound))
+        known = self.__dict__
+        if "exclusive" in known:
+            exclusive = known["exclusive"]
+            if gone is not None and gone.whole:
+                exclusive = exclusive - gone.whole
+            if added is not None and added.whole:
+                exclusive = exclusive | added.whole
+            new.__dict__["exclusive"] = exclusive
+        moved = [a for a in (gone, added) if a is not None and a.fragment]
+        if "fragment_pieces" in known and not moved:
+            new.__dict__["fragment_pieces"] = known["fragment_pieces"]
+            if "fragment" in known:
+                new.__dict__["fragment"] = known["fragment"]
+        elif "fragment_pieces" in known:
+            pieces = dict(known["fragment_pieces"])
+            for a, sign in ((gone, -1), (added, 1)):
+                if a is not None and a.fragment:
+                    left = pieces.get(a.fragment.cpu, 0) + sign * a.fragment.pieces
+                    if left:
+                        pieces[a.fragment.cpu] = left
+                    else:
+                        pieces.pop(a.fragment.cpu, None)
+            new.__dict__["fragment_pieces"] = pieces
         return new
 
     def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
@@ -164,6 +191,11 @@ def check_index(ledger: Ledger) -> None:
     for a in ledger.allocations.values():
         if not a.bound and a.held:
             raise InvariantError(f"unbound allocation {a.name!r} holds CPUs {a.held}")
+    fresh = Ledger(ledger.online, ledger.reserved, ledger.isolated, ledger.granularity,
+                   ledger.min_shared_cpus, ledger.allocations)
+    if (ledger.exclusive, ledger.fragment_pieces) != (fresh.exclusive, fresh.fragment_pieces):
+        raise InvariantError("the pools carried over from an earlier ledger are not those of "
+                             "its allocations")
 
 
 def check_invariants(ledger: Ledger) -> None:
