@@ -22,11 +22,14 @@ def _script() -> ModuleType:
     return module
 
 
+def _graph(arch: ModuleType) -> dict[str, set[str]]:
+    known = arch.modules()
+    return {n: arch.imports(n, p, known) for n, p in known.items()}
+
+
 def test_no_import_cycles() -> None:
     arch = _script()
-    known = arch.modules()
-    graph = {n: arch.imports(n, p, known) for n, p in known.items()}
-    assert arch.cycles(graph) == []
+    assert arch.cycles(_graph(arch)) == []
 
 
 def test_the_cycle_finder_finds_one() -> None:
@@ -42,9 +45,7 @@ def test_modules_over_the_line_only_shrink() -> None:
 
 def test_imports_point_down_the_layers() -> None:
     arch = _script()
-    known = arch.modules()
-    graph = {n: arch.imports(n, p, known) for n, p in known.items()}
-    assert arch.upward(graph) == []
+    assert arch.upward(_graph(arch)) == []
 
 
 def test_the_layer_check_sees_an_upward_import() -> None:

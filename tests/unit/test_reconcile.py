@@ -101,6 +101,22 @@ class Recorder:
         return found
 
 
+def failed_at_every_step(tx: reconcile.Transaction, before: Mapping[str, UnitSpec],
+                         exclusive: CPUSet) -> list[Recorder]:
+    """The transaction failed at each of its steps in turn: each undo is clean and keeps the
+    ordering rule; the recorders, for more checks."""
+    out = []
+    for step in range(1, len(tx.ops) + 1):
+        failing = Recorder(before, fail_at=step)
+        try:
+            asyncio.run(reconcile.execute(tx, failing))
+        except reconcile.Failed as exc:
+            assert exc.clean
+        assert failing.violations(exclusive) == [], (step, [str(op) for op in tx.ops])
+        out.append(failing)
+    return out
+
+
 @settings(max_examples=examples(300))
 @given(seed=st.integers(0, 2**32 - 1))
 @example(seed=2)  # the undo of the shared pool's growth wrote its CPUs from before the change
@@ -117,16 +133,10 @@ def test_undo_keeps_the_ordering_rule_at_every_failure(seed: int) -> None:
     whole = Recorder(before)
     asyncio.run(reconcile.execute(tx, whole))
     assert whole.violations(exclusive) == [], [str(op) for op in tx.ops]
-    for step in range(1, len(tx.ops) + 1):
-        failing = Recorder(before, fail_at=step)
-        try:
-            asyncio.run(reconcile.execute(tx, failing))
-        except reconcile.Failed as exc:
-            assert exc.clean
-        assert failing.violations(exclusive) == [], (step, [str(op) for op in tx.ops])
+    for failing in failed_at_every_step(tx, before, exclusive):
         assert {u: c for u, c in failing.now.items() if u not in failing.restored} == {
             u: c for u, s in before.items() if (c := _cpus(s.props)) is not None
-            and u not in failing.restored}, step
+            and u not in failing.restored}, failing.fail_at
 
 
 def _slices(cpus: Mapping[str, list[int]], partitions: frozenset[str] = frozenset()
@@ -208,10 +218,5 @@ def test_generated_permutations_never_put_a_cpu_in_two_slices(seed: int, slices:
     fake.timeline = [fake.snapshot()]
     asyncio.run(reconcile.execute(tx, fake))
     assert fake_violations(fake.timeline, exclusive) == [], [str(op) for op in tx.ops]
-    for step in range(1, len(tx.ops) + 1):
-        failing = Recorder(before, fail_at=step)
-        try:
-            asyncio.run(reconcile.execute(tx, failing))
-        except reconcile.Failed as exc:
-            assert exc.clean
-        assert failing.violations(exclusive) == [], (step, [str(op) for op in tx.ops])
+    for _ in failed_at_every_step(tx, before, exclusive):
+        pass
