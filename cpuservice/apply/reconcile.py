@@ -172,9 +172,10 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
     # not yet handled still holds waits until that one has moved
     pending = sorted(after)
-    mentioned = CPUSet.union_all(c for spec in (*before.values(), *after.values())
-                                 if (c := spec.cpus) is not None)
-    parking = mentioned - exclusive  # CPUs any unit may hold for a moment (the shared pool's)
+    # CPUs any unit may hold for a moment (the shared pool's): of the units after the change,
+    # so online ones (before a hotplug repair, units may name CPUs that went offline)
+    mentioned = CPUSet.union_all(c for spec in after.values() if (c := spec.cpus) is not None)
+    parking = mentioned - exclusive
     while pending:
         ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
         if not ready:
@@ -328,7 +329,8 @@ def inverse(op: Op) -> Op | None:
 
 
 class Failed(Exception):
-    """A step failed; the steps done before it were undone (``clean``) or some undo failed."""
+    """A step failed; the steps done before it were undone (``clean``), or some undo failed or
+    the failed step may have been done in part."""
 
     def __init__(self, cause: Exception, step: Op, clean: bool) -> None:
         super().__init__(str(cause))
@@ -348,7 +350,9 @@ async def execute(tx: Transaction, effector: Effector) -> None:
                 await run_op(effector, op)
         except Exception as exc:
             log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
-            clean = True
+            # a batched write (the kernel's interrupts and workqueues) may have been done in
+            # part: not clean, so that the caller makes the units match what it observes
+            clean = not (isinstance(effector, Batching) and effector.batched(op.unit))
             for earlier in reversed(done):
                 undo = inverse(earlier)
                 try:

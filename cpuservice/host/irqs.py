@@ -198,6 +198,16 @@ class Kernel:
             if hurry:
                 self._hurry.set()
             self._writer = asyncio.get_running_loop().create_task(self._write_loop())
+            self._writer.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The writer stopped other than by finishing its work (cancelled at shutdown, or a
+        bug): nobody may wait forever. (A writer that finished answered everyone up to then;
+        a change after it started a writer of its own.)"""
+        if task is self._writer and (task.cancelled() or task.exception()) and self._waiters:
+            error = IsolationFailed("the interrupt writer stopped before this change was "
+                                    "written")
+            self._wake(self._asked, error)
 
     async def _write_loop(self) -> None:
         """One write at a time, each of the latest wanted CPUs, until nothing differs."""
@@ -215,15 +225,19 @@ class Kernel:
             self._flying = todo
             try:
                 await self._run(todo)
-            except CPUServiceError as exc:
+            except Exception as exc:  # a job that timed out, a lost bus: the same as a refusal
+                error = exc if isinstance(exc, CPUServiceError) else IsolationFailed(
+                    f"writing {', '.join(todo)} failed: {exc!r}")
                 for holder in todo:
                     self._have.pop(holder, None)  # partly written, perhaps
-                if self._wake(number, exc):
-                    return  # the waiter's transaction undoes, and asks again
-                log.error("giving CPUs back to %s failed (%s); trying again in %.0f s",
-                          ", ".join(todo), exc, self.RETRY_SECONDS)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._hurry.wait(), self.RETRY_SECONDS)
+                if not self._wake(number, error):
+                    log.error("giving CPUs back to %s failed (%s); trying again in %.0f s",
+                              ", ".join(todo), error, self.RETRY_SECONDS)
+                # changes asked for meanwhile are written at once; otherwise what is still
+                # owed (a give-back) is tried again after a while, or at the next change
+                if not self._waiters:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._hurry.wait(), self.RETRY_SECONDS)
                 continue
             finally:
                 self._flying = {}

@@ -86,7 +86,8 @@ class Service:
 
     @events.setter
     def events(self, events: Events) -> None:
-        """The one sink (tests); the daemon's sinks subscribe()."""
+        """Make ``events`` the one sink, replacing every subscribed one (tests); the daemon's
+        sinks subscribe()."""
         self.engine.events.sinks[:] = [events]
 
     def subscribe(self, sink: Events) -> None:
@@ -318,10 +319,12 @@ class Service:
                         extra={"scope": scope, "pids": ",".join(str(p) for p in pids)})
             state = self.state if record.populated else State(
                 self.ledger, {**self.state.records, name: replace(record, populated=True)})
+            # populated is recorded once the scope holds the processes (a crash before must
+            # not leave a record that says so of an empty slice)
             try:
                 await self.engine.apply(Change(
                     state, frozenset({name}), steps=(start,), notes=(note,),
-                    durability=Durability.NONE if record.populated else Durability.FIRST))
+                    durability=Durability.NONE if record.populated else Durability.AFTER))
             except SystemdFailure as exc:
                 raise InvalidArgument(f"cannot attach PIDs {list(pids)}: {exc}") from None
             self.lifetime.member(scope, name)

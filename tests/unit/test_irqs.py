@@ -91,6 +91,7 @@ class Oneshots:
         self.gate = asyncio.Event()
         self.gate.set()
         self.fail = False
+        self.fail_once: BaseException | None = None
 
     async def start_transient(self, unit: str, props: dict) -> None:  # type: ignore[type-arg]
         from cpuservice.model.errors import SystemdFailure
@@ -98,6 +99,9 @@ class Oneshots:
         script = (argv[2].replace("$$", "$").replace("/proc/irq", str(self.proc / "irq"))
                   .replace("/sys/devices", str(self.sys / "devices")))
         await self.gate.wait()
+        if self.fail_once is not None:
+            error, self.fail_once = self.fail_once, None
+            raise error
         if self.fail:
             raise SystemdFailure("the oneshot failed")
         proc = await asyncio.create_subprocess_exec("/bin/sh", "-c", script, *argv[3:])
@@ -320,3 +324,41 @@ def test_the_oneshot_script_on_a_fake_proc(tmp_path: Path) -> None:
     assert (sys / "devices/virtual/workqueue/cpumask").read_text() == "0000000f\n"
     assert json.loads(wq_report.read_text()) == {"cpus": "0-3"}
     assert (proc / "irq/4/smp_affinity_list").read_text() == "0-3,8-11\n"  # left
+
+
+def test_a_job_that_times_out_fails_the_take_and_hangs_nobody(tmp_path: Path) -> None:
+    """systemd's job wait raises the built-in TimeoutError after 90 s (or dbus-fast its own on a
+    lost bus): the take gets IsolationFailed (its transaction undoes) instead of waiting forever
+    with the service's lock held; a change asked for meanwhile is written."""
+    from cpuservice.model.errors import IsolationFailed
+
+    async def body() -> None:
+        kernel, systemd = _kernel(tmp_path)
+        await kernel.set_cpus(IRQS, CPUSet.parse("0-15"))
+        systemd.fail_once = TimeoutError()
+        systemd.gate.clear()
+        take = asyncio.create_task(kernel.set_cpus(IRQS, CPUSet.parse("0-3")))
+        await asyncio.sleep(0.05)
+        later = asyncio.create_task(kernel.set_cpus(WORKQUEUES, CPUSet.parse("0-7")))
+        await asyncio.sleep(0.05)
+        systemd.gate.set()
+        with pytest.raises(IsolationFailed):
+            await asyncio.wait_for(take, 5)
+        await asyncio.wait_for(later, 5)
+        assert systemd.workqueues() == CPUSet.parse("0-7")
+    asyncio.run(body())
+
+
+def test_a_writer_that_stops_fails_its_waiters(tmp_path: Path) -> None:
+    from cpuservice.model.errors import IsolationFailed
+
+    async def body() -> None:
+        kernel, systemd = _kernel(tmp_path)
+        systemd.gate.clear()
+        take = asyncio.create_task(kernel.set_cpus(IRQS, CPUSet.parse("0-3")))
+        await asyncio.sleep(0.05)
+        assert kernel._writer is not None
+        kernel._writer.cancel()
+        with pytest.raises(IsolationFailed):
+            await asyncio.wait_for(take, 5)
+    asyncio.run(body())

@@ -220,3 +220,32 @@ def test_generated_permutations_never_put_a_cpu_in_two_slices(seed: int, slices:
     assert fake_violations(fake.timeline, exclusive) == [], [str(op) for op in tx.ops]
     for _ in failed_at_every_step(tx, before, exclusive):
         pass
+
+
+class Batched(Recorder):
+    """A recorder that writes the kernel-like units ``k1``/``k2`` together, and fails that
+    write after doing its first unit (a partial write)."""
+
+    def batched(self, unit: str) -> bool:
+        return unit.startswith("k")
+
+    async def set_many(self, writes: Mapping[str, Props]) -> None:
+        first = sorted(writes)[0]
+        await self.set_properties(first, writes[first])
+        raise RuntimeError("the second half failed")
+
+
+def test_a_batched_write_that_fails_is_not_clean() -> None:
+    """The oneshot writes interrupts, then workqueues: when it fails, the first half may be done,
+    so the transaction is not clean and the engine makes systemd match what it observes."""
+    before = {u: UnitSpec({"AllowedCPUs": _mask([0, 1, 2, 3])}, own=False) for u in ("k1", "k2")}
+    after = {u: UnitSpec({"AllowedCPUs": _mask([0, 1])}, own=False) for u in ("k1", "k2")}
+    tx = plan(before, after, CPUSet([2, 3]))
+    effector = Batched(before)
+    assert [len(g) for g in reconcile.groups(tx.ops, effector)] == [2]
+    try:
+        asyncio.run(reconcile.execute(tx, effector))
+    except reconcile.Failed as exc:
+        assert not exc.clean
+    else:
+        raise AssertionError("the failure was not raised")
