@@ -91,20 +91,3 @@ class Fanout:
     def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
         for sink in self.sinks:
             sink.manager_changed(changed, invalidated)
-
-
-class NoEvents:
-    def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
-        pass
-
-    def allocation_removed(self, name: str) -> None:
-        pass
-
-    def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
-        pass
-
-    def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
-        pass
-
-    def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
-        pass
