@@ -1,6 +1,6 @@
 """The D-Bus face of the service: org.cpuservice1.Manager at /org/cpuservice1 (the methods,
 the pools' properties and signals, the ObjectManager's signals); it is the service's Events sink.
-The allocation objects and the error boundary are in bus_objects.
+The allocation objects and the error boundary are in cpuservice.bus.objects.
 (No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
 """
 

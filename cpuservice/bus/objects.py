@@ -1,6 +1,6 @@
 """The D-Bus objects' common ground: who is calling, the error boundary, object paths, the bus
 connection, and org.cpuservice1.Allocation (one object per allocation; its Manager is in
-bus_api).
+cpuservice.bus.api).
 
 Every method runs behind one boundary: a CPUServiceError becomes its named D-Bus error, anything
 else is logged and answered with a generic error, so no caller ever sees a traceback.

@@ -1,4 +1,4 @@
-"""cpuservicectl and cpuservice-run against the real bus API (bus_api, bus_objects, the real
+"""cpuservicectl and cpuservice-run against the real bus API (cpuservice.bus, the real
 service code) on a private dbus-daemon, with the in-memory systemd of tests.unit.fake_systemd:
 no root, no container. Output modes, JSON nulls, show -p/--value, status, watch, the one-call
 reads, errors that name the fix; terminal behaviour (colour, pager, ASCII) in a real
