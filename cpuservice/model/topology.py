@@ -9,11 +9,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from math import gcd
 from typing import Any
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
 
-__all__ = ["CPU", "Topology", "TopologyError"]
+__all__ = ["CPU", "Cells", "Topology", "TopologyError"]
+
+Cell = tuple[int, int]
 
 
 class TopologyError(RuntimeError):
@@ -44,6 +47,25 @@ class CPU:
             "l3": self.l3,
             "online": self.online,
         }
+
+
+@dataclass(frozen=True)
+class Cells:
+    """The CPUs in cells, by which placement keeps its views of free CPUs: (NUMA node, L3 group)
+    when every core lies in one of those (``l3``), else (node, -1). ``of``: cpu -> cell;
+    ``cpus``: cell -> its CPUs (cells in order); ``in_node``: node -> its cells, in order;
+    ``nested``: every core lies in one node; ``node_socket``: node -> its socket, None when a
+    node spans sockets."""
+
+    of: Mapping[int, Cell]
+    cpus: Mapping[Cell, frozenset[int]]
+    in_node: Mapping[int, tuple[Cell, ...]]
+    l3: bool
+    nested: bool
+    node_socket: Mapping[int, int] | None
+    nodes: Mapping[Cell, frozenset[int]]
+    """The coarser grouping a single choice needs: one cell (node, -1) per node."""
+    node_in: Mapping[int, tuple[Cell, ...]]
 
 
 def _group(cpus: Mapping[int, CPU], key: str) -> dict[int, CPUSet]:
@@ -113,6 +135,12 @@ class Topology:
         return sizes
 
     @cached_property
+    def core_step(self) -> int:
+        """The step in which whole cores add up: the greatest common divisor of the core sizes
+        (2 on SMT-2, 1 on a machine with any single-thread core)."""
+        return gcd(*self.core_size.values()) if self.core_size else 1
+
+    @cached_property
     def threads_per_core(self) -> int:
         """The largest core size (kept for compatibility: use core_size per core)."""
         return max(self.core_size.values(), default=1)
@@ -124,6 +152,28 @@ class Topology:
             {c: getattr(info, attr) for c, info in self.cpus.items()}
             for attr in ("socket", "node", "l3", "core")
         )
+
+    @cached_property
+    def cells(self) -> Cells:
+        _, node_of, l3_of, _ = self.levels
+        cores = self.cores.values()
+        l3 = all(len({(node_of[c], l3_of[c]) for c in t}) == 1 for t in cores)
+        nested = l3 or all(len({node_of[c] for c in t}) == 1 for t in cores)
+        of = {c: (node_of[c], l3_of[c] if l3 else -1) for c in self.cpus}
+        cpus: dict[Cell, set[int]] = {}
+        for c, cell in of.items():
+            cpus.setdefault(cell, set()).add(c)
+        in_node: dict[int, list[Cell]] = {}
+        for cell in sorted(cpus):
+            in_node.setdefault(cell[0], []).append(cell)
+        sockets = {x: {self.cpus[c].socket for c in cpus} for x, cpus in self.nodes.items()}
+        node_socket = ({x: min(s) for x, s in sockets.items()}
+                       if all(len(s) == 1 for s in sockets.values()) else None)
+        return Cells(of, {cell: frozenset(cs) for cell, cs in sorted(cpus.items())},
+                     {x: tuple(cs) for x, cs in in_node.items()}, l3, nested, node_socket,
+                     {(x, -1): frozenset(c for cell in cs for c in cpus[cell])
+                      for x, cs in in_node.items()},
+                     {x: ((x, -1),) for x in in_node})
 
     @cached_property
     def memory_only_nodes(self) -> CPUSet:

@@ -1,11 +1,12 @@
 """How many more allocations of one shape fit now (Capacity): closed forms where every allocation
-takes interchangeable units, else the simulation. Pure."""
+takes interchangeable units, else the engine's choices counted on one Free view. Pure."""
 
 
 from __future__ import annotations
 
 from types import MappingProxyType
 
+import cpuservice.placement.choose as choose
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import (
     InsufficientCPUs,
@@ -17,8 +18,8 @@ from cpuservice.model.request import (
 )
 from cpuservice.model.topology import Topology
 from cpuservice.placement.closed import _fragment_capacity, _unit_capacity
-from cpuservice.placement.simulation import _Simulation
-from cpuservice.placement.whole import _check_policy, bound_cpus, candidates, check_amount
+from cpuservice.placement.free import Free
+from cpuservice.placement.whole import _check_policy, bound_cpus, check_amount
 
 UNLIMITED = 2**32 - 1
 
@@ -39,16 +40,15 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
       _unit_capacity (O(CPUs));
     - anything else (X.Y with X >= 1, exclusive=numa, exclusive=pcpu over partly free cores,
       restricted alignment across nodes, free isolated CPUs and a binding budget): here which
-      CPUs each allocation takes decides what the next one can take, so _Simulation makes the
-      same choices in turn on a model of the free CPUs kept per (NUMA node, L3 group) cell.
-      That is one step per allocation, but there are at most free CPUs / X of them (X >= 1),
-      and a step only looks at the cell it lands in (and the counts per node), not at the
-      machine and the ledger as allocate does; after exclusive=numa's first phase, or once the
-      isolated CPUs or the budget are used up, the rest is a closed form again. On 1,024 CPUs
-      with a thousand allocations the slowest shapes take a few tens of milliseconds
+      CPUs each allocation takes decides what the next one can take, so the choice code that
+      allocate runs (choose.py) makes its choices in turn on one Free view, which each choice
+      updates (Free.take) in the cells it touched. That is one step per allocation, but there
+      are at most free CPUs / X of them (X >= 1), and a step only looks at the cell it lands in
+      (and the counts per node); after exclusive=numa's first phase, or once the isolated CPUs
+      or the budget are used up, the rest is a closed form again. On 1,024 CPUs with a
+      thousand allocations the slowest shapes take a few tens of milliseconds
       (bench/placement.py: capacity_worst_us). Topologies with a core split over two NUMA
-      nodes (never seen on hardware) fall back to placing with bound_cpus, one allocation at a
-      time.
+      nodes (never seen on hardware) place with bound_cpus, one allocation at a time.
     """
     check_amount(ledger, request)
     if not request.options.bind:
@@ -63,29 +63,61 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
     pieces = int(request.fraction * ledger.granularity)
     if request.whole == 0:
         return _fragment_capacity(ledger, pieces)
+    free = Free(topology, ledger, request.options, steps=True)
     # free isolated CPUs are taken first (take_whole): which ones each allocation takes
-    # decides what is left, so the closed form waits until _Simulation has used them up
+    # decides what is left, so the closed form waits until the steps have used them up
     if not pieces and request.options.exclusive != Exclusive.NUMA and not ledger.free_isolated:
-        opts = request.options
-        cands = candidates(topology, ledger, opts, opts.exclusive)
-        node_of = topology.levels[1]
-        by_node: dict[int, list[int]] = {}
-        for c in cands:
-            by_node.setdefault(node_of[c], []).append(c)
-        count = _unit_capacity(
-            topology, ledger, request, opts.exclusive, by_node,
-            len(ledger.shared - ledger.reserved), len(ledger.free_isolated), ledger.shared_budget,
-        )
+        count = _rest(free, request)
         if count is not None:
             return count
-    simulation = _Simulation(topology, ledger, request)
-    if not simulation.nested:
+    if not topology.cells.nested:  # Free.take would have to look at cells it did not touch
         return _replay(topology, ledger, request)
-    return simulation.run()
+    return _count(free, request)
+
+
+def _count(free: Free, request: Request) -> int:
+    """Allocations of ``request`` one after another on ``free``, as allocate would place them;
+    the rest as a closed form once it is one."""
+    n, pieces = request.whole, int(request.fraction * free.g)
+    total = len(free.free) + len(free.free_isolated)
+    for count in range(total + 1):  # every step takes at least one free CPU
+        phase = _phase(free)
+        try:
+            whole = choose.take_whole(free, n)
+            fragment, fresh = choose.take_fragment(free, pieces, whole) if pieces else (None, False)
+        except InsufficientCPUs:
+            return count
+        taken = [*whole, fragment] if fresh and fragment is not None else whole
+        if free.from_shared(taken) > free.budget():
+            return count
+        free.take(whole, fragment, fresh, pieces)
+        if _phase(free) != phase:
+            rest = _rest(free, request)
+            if rest is not None:
+                return count + 1 + rest
+    raise AssertionError("capacity: more allocations than free CPUs")
+
+
+def _phase(free: Free) -> tuple[bool, bool, bool]:
+    return free.numa_failed, free.budget() > 0, bool(free.free_isolated)
+
+
+def _rest(free: Free, request: Request) -> int | None:
+    """What is left as a closed form, if it is one (whole CPUs only)."""
+    opts = request.options
+    if request.fraction or (opts.exclusive == Exclusive.NUMA and not free.numa_failed):
+        return None
+    avoid = Exclusive.PCPU if opts.exclusive == Exclusive.NUMA else opts.exclusive
+    view, _ = free.view(avoid)
+    cands = {x: [c for cell in cells for c in view[cell]]
+             for x, cells in free.cells.in_node.items()}
+    return _unit_capacity(free.topology, free.ledger, request, avoid, cands, len(free.free),
+                          len(free.free_isolated), free.budget())
 
 
 def _replay(topology: Topology, ledger: Ledger, request: Request) -> int:
-    """capacity by allocating again and again (for topologies _Simulation does not model)."""
+    """capacity by allocating again and again (where a core lies in two NUMA nodes, a choice
+    changes cells Free.take does not look at again)."""
     ledger = Ledger(ledger.online, ledger.reserved, ledger.isolated, ledger.granularity,
                     ledger.min_shared_cpus, MappingProxyType(dict(ledger.bound)))
     count = 0

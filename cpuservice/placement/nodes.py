@@ -4,7 +4,7 @@ sockets). Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from itertools import combinations
 from math import comb
 
@@ -50,24 +50,6 @@ def _even_split(free: list[int], n: int) -> list[int]:
     return quotas
 
 
-def _choose_nodes(
-    topology: Topology,
-    ledger: Ledger,
-    cands: Collection[int],
-    n: int,
-    opts: Options,
-    anchor: CPUSet,
-) -> list[int] | None:
-    """The NUMA nodes to place in, in order of preference; None when NUMA doesn't matter."""
-    if opts.numa_alignment == NumaAlignment.NONE or len(topology.nodes) <= 1:
-        return None
-    node_of = topology.levels[1]
-    free: dict[int, int] = {}
-    for c in cands:
-        free[node_of[c]] = free.get(node_of[c], 0) + 1
-    return _nodes_for(topology, ledger, free, n, opts, anchor)
-
-
 def _nodes_for(
     topology: Topology,
     ledger: Ledger,
@@ -76,7 +58,8 @@ def _nodes_for(
     opts: Options,
     anchor: CPUSet,
 ) -> list[int]:
-    """_choose_nodes from the candidates' count per node (nodes with none left out)."""
+    """The NUMA nodes to place in, in order of preference, from the candidates' count per node
+    (nodes with none left out)."""
     align = opts.numa_alignment
     node_of = topology.levels[1]
     anchored = {node_of[c] for c in anchor}

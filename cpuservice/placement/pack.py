@@ -5,7 +5,6 @@ socket, node, L3 group, core) and spread-pcpus. Pure."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from math import gcd
 
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import (
@@ -24,11 +23,14 @@ def _pick(
     near: frozenset[int],
     policy: str,
     shy: Callable[[], Collection[int]] = frozenset,
+    level: int = 0,
 ) -> list[int]:
     """``n`` of ``cands`` as ``policy`` takes them (``shy()``: the cores spread-pcpus
-    allocations use, asked for only when they matter)."""
+    allocations use, asked for only when they matter; ``level``: the candidates lie in one
+    group of every level above it, e.g. 2 for one NUMA node of one socket)."""
     if policy != Policy.SPREAD_PCPUS:
-        return pack(topology, cands, n, near, strict=policy == Policy.FULL_PCPUS, shy=shy)
+        return pack(topology, cands, n, near, strict=policy == Policy.FULL_PCPUS, shy=shy,
+                    level=level)
     core_of = topology.levels[3]
     cores: dict[int, list[int]] = {}
     for c in cands:
@@ -41,17 +43,17 @@ def _pick(
                if len(t) != len(topology.cores[k]) and k not in spread]
     out: list[int] = []
     for primaries in (paired, full, partial):
-        out += _take(topology, primaries, min(n - len(out), len(primaries)), near)
+        out += _take(topology, primaries, min(n - len(out), len(primaries)), near, level)
     if len(out) < n:
         rest = set(cands) - set(out)
-        out += _take(topology, rest, n - len(out), near | frozenset(out))
+        out += _take(topology, rest, n - len(out), near | frozenset(out), level)
     return out
 
 
 def whole_core_step(topology: Topology) -> int:
     """The step in which whole cores add up: the greatest common divisor of the core sizes (2
     on SMT-2, 1 on a machine with any single-thread core)."""
-    return gcd(*topology.core_size.values()) if topology.core_size else 1
+    return topology.core_step
 
 
 def pack(
@@ -62,6 +64,7 @@ def pack(
     *,
     strict: bool = False,
     shy: Callable[[], Collection[int]] = frozenset,
+    level: int = 0,
 ) -> list[int]:
     """``n`` of ``cands``, packed without splitting a core that need not be split.
 
@@ -81,7 +84,7 @@ def pack(
         return []
     tpc = topology.threads_per_core
     if not strict and (tpc == 1 or n >= len(cands)):
-        return _take(topology, cands, n, frozenset(near)) if n < len(cands) else list(cands)
+        return _take(topology, cands, n, frozenset(near), level) if n < len(cands) else list(cands)
     core_of = topology.levels[3]
     by_core: dict[int, list[int]] = {}
     for c in cands:
@@ -99,7 +102,7 @@ def pack(
     out: list[int] = []
     k = min(n // tpc, len(wide))
     if k:
-        for primary in _take(topology, wide, k, frozenset(near)):
+        for primary in _take(topology, wide, k, frozenset(near), level):
             out += topology.cores[core_of[primary]].ids
     left = n - len(out)
     if not left:
@@ -121,7 +124,7 @@ def pack(
             taken_cores = {core_of[c] for c in out}
             rest = [p for p in wide if core_of[p] not in taken_cores]
             if rest:
-                core = core_of[_take(topology, rest, 1, frozenset([*near, *out]))[0]]
+                core = core_of[_take(topology, rest, 1, frozenset([*near, *out]), level)[0]]
                 return out + sorted(by_core[core])[:left]
             break
         else:
@@ -131,7 +134,7 @@ def pack(
             buckets.setdefault((rank(c), core_of[c] in spread), []).append(c)
         for key in sorted(buckets):
             bucket = buckets[key]
-            got = _take(topology, bucket, min(left, len(bucket)), frozenset([*near, *out]))
+            got = _take(topology, bucket, min(left, len(bucket)), frozenset([*near, *out]), level)
             out += got
             left -= len(got)
             if not left:

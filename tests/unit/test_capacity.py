@@ -315,7 +315,7 @@ def test_capacity_with_free_isolated_cpus_on_1024_cpus(machine, cpus: str,
                                                         options: dict[str, str]) -> None:
     """Issue 25 item 7: with free kernel-isolated CPUs capacity replayed allocate one
     allocation at a time (297 ms on 1,024 CPUs; bench/placement.py's capacity_worst_us
-    isolated=64). _Simulation now takes isolated CPUs first as take_whole does: the same
+    isolated=64). Capacity now counts take_whole's own choices, isolated CPUs first: the same
     count as allocating again and again."""
     t = machine("e")
     ledger = ledger_for(t)

@@ -1,0 +1,228 @@
+"""The choice code: which whole CPUs and which fragment CPU a bound request takes, read from a
+Free view. The one engine: allocate, resize and repair make one choice on a fresh view, capacity
+counts choices on one view until one fails. Pure.
+
+Whole CPUs: exclusivity (numa falls back to pcpu), free isolated CPUs first, the NUMA nodes
+(nodes.py), then the policy's pick inside them (pack.py). Where nothing is near, the pick is
+followed down socket, node and L3 group on the counts per cell and run only on the cell it
+reaches (the same result as running it on every candidate, without looking at them)."""
+
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Mapping
+
+from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.errors import InsufficientCPUs
+from cpuservice.model.pools import Ledger
+from cpuservice.model.request import (
+    Exclusive,
+    NumaAlignment,
+    NumaStrategy,
+    Options,
+    Policy,
+)
+from cpuservice.placement.free import Cell, Free
+from cpuservice.placement.nodes import _nodes_for, _quotas
+from cpuservice.placement.pack import _pick, _take, pack
+
+STRICT_ALIGNMENT = (NumaAlignment.RESTRICTED, NumaAlignment.SINGLE_NUMA_NODE)
+
+
+def attempts(opts: Options) -> tuple[Exclusive, ...]:
+    """The exclusivity take_whole tries in turn: numa falls back to pcpu."""
+    if opts.exclusive == Exclusive.NUMA:
+        return Exclusive.NUMA, Exclusive.PCPU
+    return (opts.exclusive,)
+
+
+def take_whole(free: Free, n: int, anchor: CPUSet = EMPTY) -> list[int]:
+    """``n`` more whole CPUs for a bound allocation that already holds ``anchor`` (hidden from
+    ``free``'s candidates)."""
+    if n <= 0:
+        return []
+    error = InsufficientCPUs("no CPUs")
+    for avoid in attempts(free.opts):
+        if avoid == Exclusive.NUMA and free.numa_failed:
+            continue
+        try:
+            return _isolated_first(free, avoid, n, anchor)
+        except InsufficientCPUs as exc:
+            error = exc
+            free.numa_failed = free.numa_failed or avoid == Exclusive.NUMA
+    raise error
+
+
+def _isolated_first(free: Free, avoid: str, n: int, anchor: CPUSet) -> list[int]:
+    """Free isolated CPUs (kernel isolcpus: never shared, meant for bound work) come first: a
+    request they can hold takes them, and one the shared pool's budget cannot cover takes all
+    of them and the rest from the shared pool (not where NUMA alignment is strict)."""
+    iso_view, iso_counts = free.view(f"{avoid}/iso") if free.free_isolated else ({}, {})
+    n_iso = sum(iso_counts.values())
+    if n_iso and n_iso >= n:
+        with contextlib.suppress(InsufficientCPUs):
+            return _take_in_nodes(free, f"{avoid}/iso", n, anchor)
+    got = _take_in_nodes(free, avoid, n, anchor)
+    if (n_iso and n_iso < n and free.from_shared(got) > free.budget()
+            and free.opts.numa_alignment not in STRICT_ALIGNMENT):
+        iso = sorted(c for cs in iso_view.values() for c in cs)
+        return iso + _take_in_nodes(free, f"{avoid}/shared", n - n_iso, anchor | CPUSet(iso))
+    return got
+
+
+def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
+    """n CPUs of the candidates ``key`` (Free.candidates): the NUMA nodes, then the policy's
+    pick inside them, near ``anchor``."""
+    opts, topology = free.opts, free.topology
+    cands, counts = free.view(key)
+    near = anchor.ids
+    available = sum(counts.values())
+    if available < n:
+        raise shortage(free.ledger, _too_few(n, available, opts.policy))
+    if opts.numa_alignment != NumaAlignment.NONE and len(topology.nodes) > 1:
+        nodes = _nodes_for(topology, free.ledger, counts, n, opts, anchor)
+        if opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(nodes) > 1:
+            out: list[int] = []
+            quotas = _quotas(topology, [counts[x] for x in nodes], n, opts.policy)
+            for x, quota in zip(nodes, quotas, strict=False):
+                out += _pick(topology, free.everything(key, (x,)), quota,
+                             near | frozenset(out), opts.policy, free.shy, free.level((x,)))
+            return out
+        counts = {x: counts[x] for x in nodes}
+    if free.steps and not near and free.cells.nested:  # the walks assume nothing near
+        if opts.policy == Policy.SPREAD_PCPUS:
+            return _spread(free, key, cands, counts, n)
+        if topology.threads_per_core == 1:
+            return _walk(free, cands, counts, n)
+    return _pick(topology, free.everything(key, counts), n, near, opts.policy, free.shy,
+                 free.level(counts))
+
+
+def _spread(free: Free, key: str, cands: Mapping[Cell, Collection[int]],
+            counts: Mapping[int, int], n: int) -> list[int]:
+    """_pick for spread-pcpus over the candidates of the nodes in ``counts``: its first _take
+    (over one thread of each partly free core spread-pcpus uses, or when there is none, of each
+    wholly free core, or else of each other partly free core) walked on counts when it takes
+    all n; otherwise _pick itself."""
+    cells_in = free.in_node
+    primaries = {cell: free.primaries(cell, key, cands[cell])
+                 for x in counts for cell in cells_in[x] if cands[cell]}
+    for i in (0, 1, 2):
+        there = {cell: p[i] for cell, p in primaries.items() if p[i]}
+        per_node: dict[int, int] = {}
+        for (x, _), ps in there.items():
+            per_node[x] = per_node.get(x, 0) + len(ps)
+        if n <= sum(per_node.values()):
+            return _walk(free, there, per_node, n)
+        if there:
+            break
+    return _pick(free.topology, free.everything(key, counts), n, frozenset(), free.opts.policy,
+                 free.shy)
+
+
+def _walk(free: Free, cells: Mapping[Cell, Collection[int]], counts: Mapping[int, int], n: int
+          ) -> list[int]:
+    """_take(the CPUs of ``cells`` in the nodes of ``counts`` (their number there), n, nothing
+    near): its socket, node and L3 levels followed on counts while one group holds n, then
+    _take inside that group."""
+    topology, cells_in = free.topology, free.in_node
+    node = _node(free, counts, n) if n < sum(counts.values()) else None
+    if node is None:
+        everything = [c for x in counts for cell in cells_in[x] for c in cells.get(cell, ())]
+        return _take(topology, everything, n, frozenset())
+    inside = {cell[1]: cs for cell in cells_in[node] if (cs := cells.get(cell, ()))}
+    if n >= counts[node]:
+        return [c for cs in inside.values() for c in cs]
+    if not free.cells.l3:
+        return _take(topology, [c for cs in inside.values() for c in cs], n, frozenset(), 2)
+    fitting = [l3 for l3, cs in inside.items() if len(cs) >= n]
+    if not fitting:
+        return _take(topology, [c for cs in inside.values() for c in cs], n, frozenset(), 2)
+    best = min(fitting, key=lambda l3: (len(inside[l3]), l3))
+    return _take(topology, list(inside[best]), n, frozenset(), 3)
+
+
+def _node(free: Free, counts: Mapping[int, int], n: int) -> int | None:
+    """The node _take(candidates, n, nothing near) descends into, from the candidates' count
+    per node; None when it takes CPUs of several nodes (or a node spans sockets)."""
+    socket_of = free.cells.node_socket
+    if socket_of is None:
+        return None
+    if len(counts) == 1:
+        return next(iter(counts))
+    per_socket: dict[int, int] = {}
+    for x, k in counts.items():
+        per_socket[socket_of[x]] = per_socket.get(socket_of[x], 0) + k
+    fitting = [s for s in per_socket if per_socket[s] >= n]
+    if not fitting:
+        return None
+    socket = min(fitting, key=lambda s: (per_socket[s], s))
+    inside = {x: k for x, k in counts.items() if socket_of[x] == socket}
+    if len(inside) == 1:
+        return next(iter(inside))
+    if n >= per_socket[socket]:
+        return None
+    fitting = [x for x in inside if inside[x] >= n]
+    return min(fitting, key=lambda x: (inside[x], x)) if fitting else None
+
+
+def take_fragment(free: Free, pieces: int, whole: Collection[int]) -> tuple[int, bool]:
+    """A CPU with ``pieces`` free pieces near ``whole`` (the allocation's whole CPUs), and
+    whether it is fresh (no fragment uses it yet).
+
+    An existing fragment CPU that is an SMT sibling of, shares an L3 with or sits on the NUMA
+    node of the whole CPUs comes first (fewest free pieces first); then a fresh CPU from the
+    shared pool, nearest first; then any fragment CPU with room (unless NUMA alignment forbids
+    it). Without whole CPUs: the fullest fragment CPU with room, else a fresh CPU.
+    """
+    topology, rooms = free.topology, free.rooms
+    anchor = frozenset(whole)
+    if anchor:
+        core_of, l3_of, node_of = free.core_of, free.l3_of, free.node_of
+        cores = {core_of[c] for c in anchor}
+        l3s = {l3_of[c] for c in anchor}
+        nodes = {node_of[c] for c in anchor}
+        # existing fragment CPUs by rank (sibling, same L3, same node), fewest free pieces first
+        for near in ([c for k in cores for c in topology.cores[k] if c in rooms],
+                     [c for g in l3s for c in free.fragments_in(2, g)],
+                     [c for x in nodes for c in free.fragments_in(1, x)]):
+            existing = [c for c in near if rooms[c] >= pieces and c not in anchor]
+            if existing:
+                return min(existing, key=lambda c: (rooms[c], c)), False
+        takeable = free.takeable()
+        for near in ([c for k in cores for c in topology.cores[k]],
+                     [c for g in l3s for c in topology.l3_groups[g]]):
+            fresh = [c for c in near if c not in anchor and c in takeable]
+            if fresh:
+                return pack(topology, fresh, 1, anchor)[0], True
+        fresh = [c for c in takeable if node_of[c] in nodes and c not in anchor]
+        if fresh:
+            return pack(topology, fresh, 1, anchor)[0], True
+        if free.opts.numa_alignment not in STRICT_ALIGNMENT:
+            fresh = [c for c in takeable if node_of[c] not in nodes]
+            if fresh:
+                return pack(topology, fresh, 1, anchor)[0], True
+    existing = [c for c, room in rooms.items() if room >= pieces and c not in anchor]
+    if existing and (not anchor or free.opts.numa_alignment not in STRICT_ALIGNMENT):
+        return min(existing, key=lambda c: (rooms[c], c)), False
+    if not anchor:
+        fresh = list(free.takeable())
+        if fresh:
+            return pack(topology, fresh, 1, anchor)[0], True
+    raise shortage(free.ledger,
+                   f"no CPU has {pieces} free pieces (of {free.g}) for this fragment")
+
+
+def _too_few(n: int, available: int, policy: str) -> str:
+    """The shortage message; counts CPUs, never cores."""
+    where = "on whole free cores " if policy == Policy.FULL_PCPUS else ""
+    return f"{n} CPUs requested but only {available} CPUs {where}are available"
+
+
+def shortage(ledger: Ledger, message: str) -> InsufficientCPUs:
+    if not ledger.shared_budget:
+        message += (
+            f"; the shared pool is at its minimum (min_shared_cpus={ledger.min_shared_cpus})"
+        )
+    return InsufficientCPUs(message)

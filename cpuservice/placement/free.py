@@ -1,0 +1,238 @@
+"""The free CPUs as placement sees them for one request's options. Pure.
+
+The allocatable shared and the free isolated CPUs, the fragment CPUs' free pieces, the cores and
+nodes exclusivity rules out, the shared pool's budget; and views of the candidates per cell (the
+CPUs of one NUMA node and L3 group, see Topology.cells) with their count per node. The choice
+code (choose.py) reads only this. allocate builds one and makes one choice on it; capacity makes
+choice after choice on one, and ``take`` marks only the cells a choice touched to be looked at
+again, so that a step looks at the cell it lands in and the counts per node rather than at the
+whole machine and the ledger.
+"""
+
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from collections.abc import Set as AbstractSet
+
+from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.pools import Ledger
+from cpuservice.model.request import Exclusive, Options, Policy
+from cpuservice.model.topology import Topology
+
+Cell = tuple[int, int]  # (NUMA node, L3 group or -1)
+View = tuple[dict[Cell, AbstractSet[int]], dict[int, int]]
+
+
+def spread_cores(topology: Topology, ledger: Ledger) -> frozenset[int]:
+    """Cores on which a spread-pcpus allocation holds a thread: packed leaves their other
+    threads to later spread-pcpus requests while other threads will do."""
+    core_of = topology.levels[3]
+    return frozenset(core_of[c] for a in ledger.bound.values()
+                     if a.request.options.policy == Policy.SPREAD_PCPUS for c in a.whole)
+
+
+class Free:
+    """What a bound request of options ``opts`` may take on ``ledger``; ``hide``: CPUs that are
+    free but never candidates (what a resized allocation keeps); ``steps``: choices follow one
+    another on this view (capacity), so the choice code may walk counts per cell instead of
+    looking at every candidate (choose._walk)."""
+
+    def __init__(self, topology: Topology, ledger: Ledger, opts: Options,
+                 hide: CPUSet = EMPTY, *, steps: bool = False) -> None:
+        self.topology = topology
+        self.steps = steps
+        self.ledger = ledger
+        self.opts = opts
+        self.g = ledger.granularity
+        self.cells = topology.cells
+        self.cell_of = self.cells.of
+        _, self.node_of, self.l3_of, self.core_of = topology.levels
+        self.hide = hide.ids
+        self.isolated = ledger.isolated.ids
+        self.shared = len(ledger.shared)
+        self.min_shared = ledger.min_shared_cpus
+        # the allocatable shared CPUs and the free isolated ones (take replaces them)
+        self.free: frozenset[int] = (ledger.shared - ledger.reserved).ids
+        self.free_isolated: frozenset[int] = ledger.free_isolated.ids
+        # the cells views are kept in: a single choice needs only nodes
+        self.groups = self.cells.cpus if steps else self.cells.nodes
+        self.in_node = self.cells.in_node if steps else self.cells.node_in
+        self.rooms = {c: self.g - used for c, used in ledger.fragment_pieces.items()}
+        self._fragments_in: dict[tuple[int, int], set[int]] | None = None
+        self.used_cores: set[int] = set()
+        self.used_nodes: set[int] = set()
+        if opts.exclusive != Exclusive.NONE:
+            for a in ledger.bound.values():
+                if a.request.options.exclusive == opts.exclusive:
+                    self._use(a.held)
+        self.numa_failed = False  # exclusive=numa found no free node (candidates only shrink)
+        self._shy: set[int] | None = None
+        self._takeable: frozenset[int] | None = ledger.takeable.ids
+        # per key (see candidates): the candidates of every cell and their count per node (nodes
+        # with any), brought up to date from the cells steps touched (_stale) when next looked at
+        self._views: dict[str, View] = {}
+        self._everything: dict[str, AbstractSet[int]] = {}  # of fresh views: all their candidates
+        self._stale: dict[str, set[Cell]] = {}
+        self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
+
+    def budget(self) -> int:
+        """How many CPUs may still leave the shared pool (Ledger.shared_budget)."""
+        return max(0, self.shared - self.min_shared)
+
+    def shy(self) -> Collection[int]:
+        """The cores spread-pcpus allocations use (spread_cores), asked for only when they
+        matter."""
+        if self._shy is None:
+            self._shy = set(spread_cores(self.topology, self.ledger))
+        return self._shy
+
+    def takeable(self) -> frozenset[int]:
+        """Ledger.takeable: the allocatable CPUs, only the free isolated ones when the shared
+        pool is at its minimum."""
+        if self._takeable is None:
+            self._takeable = self.free | self.free_isolated if self.budget() else self.free_isolated
+        return self._takeable
+
+    def candidates(self, key: str, within: frozenset[int] | None = None) -> AbstractSet[int]:
+        """The CPUs this request may take whole (of ``within``, a cell's CPUs): takeable, after
+        exclusivity and the policy's filter (full-pcpus: threads of wholly takeable cores).
+        ``key`` is ``avoid`` (none|pcpu|numa), or ``avoid/iso`` or ``avoid/shared`` for the
+        isolated candidates or the others."""
+        free: AbstractSet[int] = self.takeable() if within is None else self.takeable() & within
+        avoid, _, subset = key.partition("/")
+        if avoid == Exclusive.NUMA and self.used_nodes:
+            node_of = self.node_of
+            free = {c for c in free if node_of[c] not in self.used_nodes}
+        elif avoid == Exclusive.PCPU and self.used_cores:
+            core_of = self.core_of
+            free = {c for c in free if core_of[c] not in self.used_cores}
+        if self.opts.policy == Policy.FULL_PCPUS:  # within: a cell, where whole cores lie
+            core_of, size = self.core_of, self.topology.core_size
+            counts: dict[int, int] = {}
+            for c in free:
+                counts[core_of[c]] = counts.get(core_of[c], 0) + 1
+            free = {c for c in free if counts[core_of[c]] == size[core_of[c]]}
+        if subset:
+            free = free & self.isolated if subset == "iso" else free - self.isolated
+        if self.hide:
+            free = free - self.hide
+        return free
+
+    def view(self, key: str) -> View:
+        """The candidates for ``key`` per cell, and their count per node."""
+        if key not in self._views:
+            cands = self.candidates(key)
+            if not self.steps:
+                self._everything[key] = cands
+            cells = {cell: cands & cpus for cell, cpus in self.groups.items()}
+            counts: dict[int, int] = {}
+            for (x, _), cs in cells.items():
+                if cs:
+                    counts[x] = counts.get(x, 0) + len(cs)
+            self._views[key] = cells, counts
+            self._stale[key] = set()
+        cells, counts = self._views[key]
+        for cell in self._stale[key]:
+            new = self.candidates(key, self.groups[cell])
+            x = cell[0]
+            left = counts.get(x, 0) - len(cells[cell]) + len(new)
+            cells[cell] = new
+            if left:
+                counts[x] = left
+            else:
+                counts.pop(x, None)
+        self._stale[key].clear()
+        return cells, counts
+
+    def everything(self, key: str, nodes: Collection[int]) -> Collection[int]:
+        """The candidates for ``key`` in ``nodes`` (nodes with candidates)."""
+        cells, counts = self.view(key)
+        if key in self._everything and len(nodes) == len(counts):
+            return self._everything[key]
+        in_node = self.in_node
+        if len(nodes) == 1 and not self.steps:
+            return cells[in_node[next(iter(nodes))][0]]
+        return [c for x in nodes for cell in in_node[x] for c in cells[cell]]
+
+    def level(self, nodes: Collection[int]) -> int:
+        """The first level of the walk (pack._take) at which CPUs of ``nodes`` may differ: 2
+        (L3 groups) inside one node of one socket, else 0."""
+        return 2 if len(nodes) == 1 and self.cells.node_socket is not None else 0
+
+    def primaries(self, cell: Cell, key: str, cands: Collection[int]) -> tuple[list[int], ...]:
+        """The lowest candidate thread of each partly free core of a cell that spread-pcpus
+        uses, of each core whose online threads are all candidates, and of each other core with
+        candidates (as _pick for spread-pcpus)."""
+        if (cell, key) not in self._primary:
+            cores: dict[int, list[int]] = {}
+            for c in cands:
+                cores.setdefault(self.core_of[c], []).append(c)
+            paired: list[int] = []
+            full: list[int] = []
+            partial: list[int] = []
+            shy, threads = self.shy(), self.topology.cores
+            for k, t in cores.items():
+                if len(t) == len(threads[k]):
+                    full.append(min(t))
+                else:
+                    (paired if k in shy else partial).append(min(t))
+            self._primary[cell, key] = paired, full, partial
+        return self._primary[cell, key]
+
+    def fragments_in(self, level: int, group: int) -> Collection[int]:
+        """Fragment CPUs in a node (level 1) or L3 group (level 2)."""
+        if self._fragments_in is None:
+            self._fragments_in = {}
+            for c in self.rooms:
+                self._index_fragment(c)
+        return self._fragments_in.get((level, group), ())
+
+    def _index_fragment(self, cpu: int) -> None:
+        if self._fragments_in is not None:
+            self._fragments_in.setdefault((1, self.node_of[cpu]), set()).add(cpu)
+            self._fragments_in.setdefault((2, self.l3_of[cpu]), set()).add(cpu)
+
+    def from_shared(self, taken: Iterable[int]) -> int:
+        """How many of ``taken`` (free CPUs) leave the shared pool."""
+        return sum(c not in self.isolated for c in taken)
+
+    def take(self, whole: list[int], fragment: int | None, fresh: bool, pieces: int) -> None:
+        """Hold ``whole`` and ``pieces`` of ``fragment`` (``fresh``: a CPU no fragment used) as
+        one more allocation of these options would; only the cells touched are looked at
+        again (needs Topology.cells.nested: a core in two cells would change both)."""
+        taken = [*whole, fragment] if fresh and fragment is not None else whole
+        had_budget = self.budget() > 0
+        self.free = self.free.difference(taken)
+        self.free_isolated = self.free_isolated.difference(taken)
+        self.shared -= self.from_shared(taken)
+        self._takeable = None
+        held = [*whole, fragment] if fragment is not None else whole
+        touched = {self.cell_of[c] for c in held}
+        if self.opts.policy == Policy.SPREAD_PCPUS:
+            self.shy()
+            assert self._shy is not None
+            self._shy.update(self.core_of[c] for c in whole)
+        if fragment is not None:
+            if fresh:
+                self.rooms[fragment] = self.g - pieces
+                self._index_fragment(fragment)
+            else:
+                self.rooms[fragment] -= pieces
+        if self.opts.exclusive != Exclusive.NONE:
+            new_nodes = {self.node_of[c] for c in held} - self.used_nodes
+            self._use(held)  # their cores lie in the cells touched
+            touched.update(cell for x in new_nodes for cell in self.cells.in_node.get(x, ()))
+        if had_budget and not self.budget():  # takeable: the free isolated CPUs only
+            self._views.clear()
+            self._primary.clear()
+            return
+        for cell in touched:
+            for key in self._views:
+                self._stale[key].add(cell)
+                self._primary.pop((cell, key), None)
+
+    def _use(self, cpus: Iterable[int]) -> None:
+        for c in cpus:
+            self.used_cores.add(self.core_of[c])
+            self.used_nodes.add(self.node_of[c])
