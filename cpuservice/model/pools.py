@@ -125,18 +125,18 @@ class Ledger:
         return sorted(a.name for a in self.bound.values() if cpu in a.held)
 
     def with_allocation(self, allocation: Allocation) -> Ledger:
-        allocations = dict(self.allocations)
+        allocations = _copy(self.allocations)
         allocations[allocation.name] = allocation
-        bound = dict(self.bound)
+        bound = _copy(self.bound)
         gone = bound.pop(allocation.name, None)
         if allocation.bound:
             bound[allocation.name] = allocation
         return self._with(allocations, bound, gone, allocation if allocation.bound else None)
 
     def without(self, name: str) -> Ledger:
-        allocations = dict(self.allocations)
+        allocations = _copy(self.allocations)
         del allocations[name]
-        bound = dict(self.bound)
+        bound = _copy(self.bound)
         gone = bound.pop(name, None)
         return self._with(allocations, bound, gone, None)
 
@@ -180,6 +180,14 @@ class Ledger:
         if isolated is None:
             isolated = self.isolated
         return replace(self, online=online, isolated=isolated)
+
+
+def _copy(mapping: Mapping[str, Allocation]) -> dict[str, Allocation]:
+    """A dict of ``mapping``: MappingProxyType.copy copies the dict underneath at C speed,
+    where dict(proxy) goes key by key (2 µs of an allocate's 25 on 21 allocations)."""
+    if isinstance(mapping, MappingProxyType):
+        return mapping.copy()
+    return dict(mapping)
 
 
 def check_index(ledger: Ledger) -> None:

@@ -135,6 +135,13 @@ class Topology:
         return sizes
 
     @cached_property
+    def sizes(self) -> tuple[dict[int, int], ...]:
+        """Online CPUs per group at each level of ``levels``: socket, NUMA node, L3 group,
+        core (plain ints for placement's inner loops)."""
+        return tuple({g: len(cpus) for g, cpus in groups.items()}
+                     for groups in (self.sockets, self.nodes, self.l3_groups, self.cores))
+
+    @cached_property
     def core_step(self) -> int:
         """The step in which whole cores add up: the greatest common divisor of the core sizes
         (2 on SMT-2, 1 on a machine with any single-thread core)."""

@@ -171,9 +171,9 @@ class Free:
             paired: list[int] = []
             full: list[int] = []
             partial: list[int] = []
-            shy, threads = self.shy(), self.topology.cores
+            shy, threads = self.shy(), self.topology.sizes[3]
             for k, t in cores.items():
-                if len(t) == len(threads[k]):
+                if len(t) == threads[k]:
                     full.append(min(t))
                 else:
                     (paired if k in shy else partial).append(min(t))

@@ -4,9 +4,8 @@ socket, node, L3 group, core) and spread-pcpus. Pure."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable
 
-from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import (
     InsufficientCPUs,
 )
@@ -36,11 +35,10 @@ def _pick(
     for c in cands:
         cores.setdefault(core_of[c], []).append(c)
     spread = shy()
-    paired = [min(t) for k, t in cores.items()
-              if len(t) != len(topology.cores[k]) and k in spread]
-    full = [min(t) for k, t in cores.items() if len(t) == len(topology.cores[k])]
-    partial = [min(t) for k, t in cores.items()
-               if len(t) != len(topology.cores[k]) and k not in spread]
+    size = topology.sizes[3]
+    paired = [min(t) for k, t in cores.items() if len(t) != size[k] and k in spread]
+    full = [min(t) for k, t in cores.items() if len(t) == size[k]]
+    partial = [min(t) for k, t in cores.items() if len(t) != size[k] and k not in spread]
     out: list[int] = []
     for primaries in (paired, full, partial):
         out += _take(topology, primaries, min(n - len(out), len(primaries)), near, level)
@@ -92,8 +90,9 @@ def pack(
     wide: list[int] = []  # one thread of each wholly free core of tpc threads
     single: list[int] = []  # wholly free cores of fewer online threads
     loose: list[int] = []
+    size = topology.sizes[3]
     for k, threads in by_core.items():
-        if len(threads) < len(topology.cores[k]):
+        if len(threads) < size[k]:
             loose += threads
         elif len(threads) == tpc:
             wide.append(min(threads))
@@ -141,7 +140,7 @@ def pack(
                 return out
     sizes: dict[int, int] = {}
     for k, threads in by_core.items():
-        if len(threads) == len(topology.cores[k]):
+        if len(threads) == size[k]:
             sizes[len(threads)] = sizes.get(len(threads), 0) + 1
     free = ", ".join(f"{count} of {size} thread{'s' * (size > 1)}"
                      for size, count in sorted(sizes.items(), reverse=True)) or "none"
@@ -197,11 +196,11 @@ def _take(
     fitting = [g for g in parts if len(parts[g]) >= n]
     if fitting:
         return _take(topology, parts[min(fitting, key=fit)], n, near, level + 1)
-    whole_groups = _groups_of(topology, level)
+    whole_groups = topology.sizes[level]
     out: list[int] = []
     rest = []
     for g in sorted(parts, key=fit):
-        if len(parts[g]) == len(whole_groups[g]) and len(parts[g]) <= n - len(out):
+        if len(parts[g]) == whole_groups[g] and len(parts[g]) <= n - len(out):
             out += parts[g]
         else:
             rest.append(g)
@@ -215,10 +214,6 @@ def _take(
         out += parts[biggest]
         rest.remove(biggest)
     return out
-
-
-def _groups_of(topology: Topology, level: int) -> Mapping[int, CPUSet]:
-    return (topology.sockets, topology.nodes, topology.l3_groups, topology.cores)[level]
 
 
 class _Rank:
