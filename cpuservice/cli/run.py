@@ -15,6 +15,9 @@ As for systemd-run, the first word that is not an option starts the command (``-
 optional). systemd-run's options pass through, except those that would move the command out of
 its allocation (another slice, the user manager, another host or container, a timer, socket or
 path unit that starts it later), which are refused before anything is allocated.
+
+A ``podman run`` command gets the allocation's slice as ``--cgroup-parent``, so that the
+container itself runs on the allocation's CPUs (cpuservice/cli/podman.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from cpuservice import __version__
+from cpuservice.cli import podman
 from cpuservice.cli.client import ALLOCATION, Client, explain, explain_connect, polkit_agent
 from cpuservice.cli.options import add_option_args, options_of
 from cpuservice.host import dbuscall
@@ -88,8 +92,11 @@ def parser() -> argparse.ArgumentParser:
                "--service-type, -r/--remain-after-exit, --send-sighup, -t/--pty, -P/--pipe, "
                "-q/--quiet, -G/--collect. Refused: --slice, --slice-inherit, -p Slice=, "
                "--user, -H/--host, -M/--machine, --wait, --no-block and the timer, socket "
-               "and path options. Exit status: the command's; 125 cpuservice-run failed, "
-               "126 the command cannot be run, 127 the command was not found.")
+               "and path options. A podman run command gets --cgroup-parent=<the "
+               "allocation's slice> (its own --cgroup-parent, --cpuset-cpus and "
+               "--cgroups=disabled are refused). Exit status: the command's; 125 "
+               "cpuservice-run failed, 126 the command cannot be run, 127 the command was not "
+               "found.")
     p.add_argument("--cpus", default="1", help="CPU amount (default 1)")
     add_option_args(p)
     p.add_argument("--name", help="allocation name (default run-PID)")
@@ -240,6 +247,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         return missing
     try:
+        podman.run_index(line.command)
+    except podman.PodmanUsage as exc:
+        print(f"cpuservice-run: {exc}", file=sys.stderr)
+        return EXIT_WRAPPER
+    try:
         _, slice_unit = asyncio.run(prepare(args))
     except dbuscall.CallError as exc:
         print(f"cpuservice-run: {explain(exc, not args.no_ask_password)}", file=sys.stderr)
@@ -254,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         mode.append("--no-ask-password")
     try:
         os.execvp("systemd-run", ["systemd-run", *mode, f"--slice={slice_unit}",
-                                  *line.passthrough, "--", *line.command])
+                                  *line.passthrough, "--",
+                                  *podman.with_slice(line.command, slice_unit)])
     except OSError as exc:
         print(f"cpuservice-run: cannot start systemd-run: {exc}", file=sys.stderr)
         return EXIT_WRAPPER

@@ -54,6 +54,11 @@ class Release:
     own_kernel: bool = False
     panic_boots: int = 0  # boots again after a kernel panic anywhere, at most this often
     cpu: str = "Skylake-Server"  # QEMU's -cpu model
+    name: str = ""  # the cached image's name when not the suite's (another package set)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.suite
 
 
 BOOKWORM = Release("bookworm", PACKAGES)
@@ -63,6 +68,10 @@ BOOKWORM = Release("bookworm", PACKAGES)
 # features TCG itself implements, none it only claims): 1 of 23 (issue 23: 20 of 20 under load in
 # a dedicated run, then enqueue_task_fair 2 s into one of three test runs' boots). A panic is
 # reported, and the boot tried again, up to three times.
+# Debian 12 with podman and a static busybox to build a local image from (no registry, no
+# network): the containers lab (tests/lab/test_lab_containers.py), its own cached image.
+PODMAN = Release("bookworm", (*PACKAGES, "podman", "netavark", "crun", "conmon",
+                              "busybox-static"), name="podman")
 SID = Release("sid", (*PACKAGES, "linux-image-amd64"), own_kernel=True, panic_boots=3,
               cpu="max")
 RUNNER = """#!/bin/sh
@@ -216,13 +225,13 @@ def _locked(path: Path) -> Iterator[None]:
 def base_image(release: Release = BOOKWORM) -> Path:
     """The cached root filesystem image of ``release`` for the current recipe, built when
     missing (with, for a release with its own kernel, that kernel and initrd beside it)."""
-    image = CACHE / f"{release.suite}-{recipe_key(release)}.img"
+    image = CACHE / f"{release.label}-{recipe_key(release)}.img"
     with _locked(CACHE / "build.lock"):
         if image.exists():
             return image
-        for old in [*CACHE.glob(f"{release.suite}-*"), *CACHE.glob("base-*.img")]:
+        for old in [*CACHE.glob(f"{release.label}-*"), *CACHE.glob("base-*.img")]:
             shutil.rmtree(old) if old.is_dir() else old.unlink()
-        rootfs = CACHE / f"rootfs-{release.suite}.tmp"
+        rootfs = CACHE / f"rootfs-{release.label}.tmp"
         shutil.rmtree(rootfs, ignore_errors=True)
         subprocess.run(
             ["debootstrap", "--variant=minbase", f"--include={','.join(release.packages)}",
@@ -460,8 +469,8 @@ def _parse(log: str) -> dict[str, Result]:
 
 def main(argv: Sequence[str]) -> int:
     release = BOOKWORM
-    if argv[:1] == ["--sid"]:
-        release, argv = SID, argv[1:]
+    if argv[:1] in (["--sid"], ["--podman"]):
+        release, argv = (SID if argv[0] == "--sid" else PODMAN), argv[1:]
     if argv[:1] == ["build"]:
         print(base_image(release))
         return 0

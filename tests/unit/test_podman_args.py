@@ -1,0 +1,64 @@
+"""cpuservice-run with podman (cpuservice/cli/podman.py): the allocation's slice goes to podman
+run as --cgroup-parent; what would take the container out of it is refused before anything is
+allocated. The lab proves the container lands there (tests/lab/test_lab_containers.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpuservice.cli import podman
+
+SLICE = "cpuservice-bound-web.slice"
+
+
+@pytest.mark.parametrize("command,expected", [
+    (["podman", "run", "--rm", "img", "sleep", "1"],
+     ["podman", "run", f"--cgroup-parent={SLICE}", "--rm", "img", "sleep", "1"]),
+    (["/usr/bin/podman", "--log-level", "debug", "--root=/x", "container", "run", "-d", "img"],
+     ["/usr/bin/podman", "--log-level", "debug", "--root=/x", "container", "run",
+      f"--cgroup-parent={SLICE}", "-d", "img"]),
+    (["podman", "--cgroup-manager", "systemd", "run", "img"],
+     ["podman", "--cgroup-manager", "systemd", "run", f"--cgroup-parent={SLICE}", "img"]),
+    (["podman", "run", "--cgroups=split", "img"], ["podman", "run", "--cgroups=split", "img"]),
+    (["podman", "images"], ["podman", "images"]),
+    (["podman", "--root", "run", "ps"], ["podman", "--root", "run", "ps"]),  # run is a value
+    (["make", "run"], ["make", "run"]),
+    (["podman-remote", "run", "img"], ["podman-remote", "run", "img"]),
+])
+def test_podman_run_gets_the_slice(command: list[str], expected: list[str]) -> None:
+    assert podman.with_slice(command, SLICE) == expected
+
+
+@pytest.mark.parametrize("command,named", [
+    (["podman", "run", "--cgroup-parent=machine.slice", "img"], "--cgroup-parent"),
+    (["podman", "run", "--cgroup-parent", "machine.slice", "img"], "--cgroup-parent"),
+    (["podman", "run", "--cpuset-cpus=0-3", "img"], "--cpuset-cpus"),
+    (["podman", "container", "run", "--cpuset-cpus", "1", "img"], "--cpuset-cpus"),
+    (["podman", "run", "--cgroups", "disabled", "img"], "--cgroups=disabled"),
+    (["podman", "--cgroup-manager=cgroupfs", "run", "img"], "cgroupfs"),
+    (["podman", "--cgroup-manager", "cgroupfs", "run", "img"], "cgroupfs"),
+])
+def test_what_would_leave_the_slice_is_refused(command: list[str], named: str) -> None:
+    with pytest.raises(podman.PodmanUsage, match=named):
+        podman.run_index(command)
+
+
+def test_cpuservice_run_refuses_before_allocating(tmp_path: Path) -> None:
+    """Exit 125 with the reason, and no bus was asked (the address does not exist: reaching
+    for it would say so)."""
+    fake = tmp_path / "podman"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "cpuservice.cli.run", "--bus-address", "unix:path=/nonexistent",
+         "--", "podman", "run", "--cpuset-cpus=0", "img"],
+        capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 125
+    assert "podman run --cpuset-cpus is not allowed" in out.stderr
+    assert "bus" not in out.stderr
