@@ -348,6 +348,13 @@ class Service:
         """Re-read the topology and repair (the same repair runs at startup). ``full`` also
         re-checks every unit against systemd; CPU hotplug applies just the differences."""
         began = time.monotonic()
+        try:
+            await self._revalidate(full, began)
+        except Exception:  # systemd, the checkpoint or sysfs: rolled back, counted, raised
+            self.engine.counters.repair_failed("revalidate" if full else "hotplug")
+            raise
+
+    async def _revalidate(self, full: bool, began: float) -> None:
         async with self.lock:
             old_topology = self.topology
             if full:
