@@ -12,7 +12,7 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from dbus_fast import Message, MessageType
@@ -73,6 +73,12 @@ def _scalar(value: Any) -> str:
     return json.dumps(value)  # strings, numbers, true/false, null: YAML reads these alike
 
 
+def _empty_or_scalar(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{}"
+    return "[]" if isinstance(value, list) else _scalar(value)
+
+
 def _yaml_lines(value: Any, indent: int) -> list[str]:
     pad = " " * indent
     lines: list[str] = []
@@ -82,13 +88,11 @@ def _yaml_lines(value: Any, indent: int) -> list[str]:
                 lines.append(f"{pad}{key}:")
                 lines += _yaml_lines(item, indent + 2)
             else:
-                empty = "{}" if isinstance(item, dict) else "[]" if isinstance(item, list) \
-                    else _scalar(item)
-                lines.append(f"{pad}{key}: {empty}")
+                lines.append(f"{pad}{key}: {_empty_or_scalar(item)}")
     elif isinstance(value, list):
         for item in value:
             inner = _yaml_lines(item, indent + 2) if isinstance(item, (dict, list)) and item \
-                else [f"{pad}  {_scalar(item) if not isinstance(item, (dict, list)) else '{}'}"]
+                else [f"{pad}  {_empty_or_scalar(item)}"]
             lines.append(f"{pad}- {inner[0][indent + 2:]}")
             lines += inner[1:]
     else:
@@ -124,8 +128,7 @@ def check_output(args: argparse.Namespace) -> str | None:
     return None
 
 
-async def export(c: Client, args: argparse.Namespace,
-                 clock: Callable[[], float] = time.monotonic) -> int:
+async def export(c: Client, args: argparse.Namespace) -> int:
     async def fetch() -> Any:
         (text,) = await c.call("ExportNodeResourceTopology", "s", [args.node_name])
         return json.loads(text)
@@ -133,7 +136,7 @@ async def export(c: Client, args: argparse.Namespace,
     if not args.watch:
         print(render(await fetch(), args))
         return 0
-    pacer, wake = Pacer(clock), asyncio.Event()
+    pacer, wake = Pacer(time.monotonic), asyncio.Event()
     owner = dbuscall.NameOwner(c.bus, DEST)
     await owner.follow()
     await dbuscall.call(c.bus, *dbuscall.BUS, "AddMatch", "s",
@@ -147,14 +150,31 @@ async def export(c: Client, args: argparse.Namespace,
             wake.set()
         return False
 
+    async def sleep(seconds: float) -> None:
+        """Until a change, or ``seconds``."""
+        wake.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), seconds)
+
     c.bus.add_message_handler(on)
+    await follow(pacer, fetch, lambda obj: print(render(obj, args), flush=True), sleep)
+    return 0
+
+
+async def follow(pacer: Pacer, fetch: Callable[[], Awaitable[Any]],
+                 emit: Callable[[Any], None], sleep: Callable[[float], Awaitable[None]],
+                 rounds: int | None = None) -> None:
+    """--watch's loop: fetch and emit an object whenever the pacer says so, else sleep until
+    a change or until it may say so (``rounds``: stop after that many, for the tests). While
+    the daemon is not there (a restart), it says so once on standard error and goes on."""
     failing = ""
-    while True:
+    while rounds is None or rounds > 0:
+        rounds = None if rounds is None else rounds - 1
         if pacer.due():
             pacer.printed()
             try:
                 obj = await fetch()
-            except dbuscall.CallError as exc:  # the daemon restarts: go on, tell once
+            except dbuscall.CallError as exc:
                 if not exc.name.startswith(NOT_RUNNING):
                     raise
                 if failing != exc.name:
@@ -162,7 +182,5 @@ async def export(c: Client, args: argparse.Namespace,
                 failing = exc.name
             else:
                 failing = ""
-                print(render(obj, args), flush=True)
-        wake.clear()
-        with contextlib.suppress(TimeoutError):  # a change wakes it early, the pacer decides
-            await asyncio.wait_for(wake.wait(), pacer.wait())
+                emit(obj)
+        await sleep(pacer.wait())

@@ -5,6 +5,9 @@ case), the YAML it writes, and its arguments."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import io
 import json
 
 import pytest
@@ -13,6 +16,7 @@ from cpuservice.cli import ctl_export
 from cpuservice.cli.ctl import parse
 from cpuservice.cli.ctl_export import Pacer, render, yaml
 from cpuservice.cli.ctl_output import JsonMode
+from cpuservice.host import dbuscall
 from cpuservice.model import nrt
 from cpuservice.model.fixtures import MACHINES
 from cpuservice.model.pools import Ledger
@@ -27,25 +31,8 @@ class Clock:
 
 
 def replay(changes: list[float], until: float) -> list[float]:
-    """When --watch's loop prints, for changes at these times (seconds from the start): the
-    loop's own steps (print when due, else sleep pacer.wait() or until the next change), with
-    the clock moved instead of slept."""
-    clock = Clock()
-    start = clock.now
-    pacer = Pacer(clock)
-    printed: list[float] = []
-    pending = sorted(changes)
-    while clock.now - start <= until:
-        if pacer.due():
-            pacer.printed()
-            printed.append(round(clock.now - start, 3))
-        wake = clock.now + pacer.wait()
-        if pending and start + pending[0] <= wake:
-            clock.now = max(clock.now, start + pending.pop(0))
-            pacer.changed()
-        else:
-            clock.now = wake
-    return printed
+    """When the watch loop prints, for changes at these times (see run_follow)."""
+    return [when for when, _ in run_follow(changes, until)[0]]
 
 
 def test_watch_prints_at_once_and_once_a_minute_when_nothing_changes() -> None:
@@ -59,6 +46,59 @@ def test_a_change_is_printed_at_once_after_a_quiet_second() -> None:
 def test_a_burst_of_changes_is_one_object_a_second() -> None:
     burst = [10 + i * 0.1 for i in range(25)]  # 25 changes in 2.4 s
     assert replay(burst, 15) == [0, 10, 11, 12, 13]
+
+
+def run_follow(changes: list[float], until: float, down: tuple[float, float] = (0, 0)
+               ) -> tuple[list[tuple[float, int]], list[str]]:
+    """The real --watch loop (ctl_export.follow) on a clock that only moves when it sleeps:
+    changes at these times (seconds from the start), the daemon away during ``down``. Returns
+    (time, generation) of every object printed, and what went to standard error."""
+    clock = Clock()
+    start = clock.now
+    pacer = Pacer(clock)
+    pending = sorted(changes)
+    printed: list[tuple[float, int]] = []
+    generation = 0
+
+    async def fetch() -> dict[str, int]:
+        if down[0] <= clock.now - start < down[1]:
+            raise dbuscall.CallError("org.freedesktop.DBus.Error.ServiceUnknown", "not there")
+        return {"generation": generation}
+
+    async def sleep(seconds: float) -> None:
+        nonlocal generation
+        wake = clock.now + seconds
+        if pending and start + pending[0] <= wake:
+            clock.now = max(clock.now, start + pending.pop(0))
+            generation += 1
+            pacer.changed()
+        else:
+            clock.now = wake
+
+    def emit(obj: dict[str, int]) -> None:
+        printed.append((round(clock.now - start, 3), obj["generation"]))
+
+    async def main() -> None:
+        while clock.now - start <= until:
+            await ctl_export.follow(pacer, fetch, emit, sleep, rounds=1)
+
+    errors = io.StringIO()
+    with contextlib.redirect_stderr(errors):
+        asyncio.run(main())
+    return printed, errors.getvalue().splitlines()
+
+
+def test_the_watch_loop_paces_on_the_injected_clock() -> None:
+    printed, _ = run_follow([5.5, 10, 10.2, 10.4, 10.6, 10.8, 11.0, 11.2], 80)
+    assert printed == [(0, 0), (5.5, 1), (10, 2), (11, 7), (12, 8), (72, 8)]
+
+
+def test_the_watch_loop_goes_on_while_the_daemon_restarts() -> None:
+    """The resync at 90.5 s finds no daemon: one line on standard error, and the object comes
+    when the daemon is back (its new name owner is a change, at 92 s)."""
+    printed, errors = run_follow([30.5, 92], 130, down=(90, 92))
+    assert printed == [(0, 0), (30.5, 1), (92, 2)]
+    assert len(errors) == 1 and "not running" in errors[0] and errors[0].endswith("retrying")
 
 
 def test_a_change_right_after_a_print_waits_for_the_second_to_pass() -> None:
@@ -96,7 +136,8 @@ zones:
       - name: "cpu"
         available: "8"
 ok: true"""
-    assert yaml(["a", 1, {"x": "y: z"}]) == '- "a"\n- 1\n- x: "y: z"'
+    assert yaml(["a", 1, {"x": "y: z"}, [], {}, [None]]) == (
+        '- "a"\n- 1\n- x: "y: z"\n- []\n- {}\n- - null')
 
 
 def test_render_is_yaml_unless_json_was_asked_for() -> None:
