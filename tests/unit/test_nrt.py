@@ -3,24 +3,29 @@ Go types on every fixture machine, golden for three, and what each number means.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpuservice import placement
 from cpuservice.cli import plan
 from cpuservice.model import nrt
 from cpuservice.model.alignment import misalignment
 from cpuservice.model.cpuset import CPUSet
-from cpuservice.model.errors import InvalidArgument
+from cpuservice.model.errors import CPUServiceError, InvalidArgument
 from cpuservice.model.fixtures import MACHINES, SHAPES
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Request, parse_options
 from cpuservice.model.topology import Topology
+from tests.props import examples
 from tests.schema import errors, load, nrt_errors
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -235,3 +240,36 @@ def test_export_size_and_time_on_the_largest_fixture() -> None:
     took = time.perf_counter() - began
     assert nrt_errors(obj) == [] and len(obj["zones"]) == 8 + 64
     assert len(json.dumps(obj)) < 64 * 1024 and took < 1.0
+
+
+AMOUNTS = st.decimals(min_value=Decimal("0.25"), max_value=Decimal(6), places=2)
+REQUESTS = st.lists(st.tuples(AMOUNTS, st.booleans()), max_size=12)
+
+
+@pytest.mark.parametrize("name", ["b", "c", "d", "snc", "hybrid", "memoryless"])
+@settings(max_examples=examples(40))
+@given(requests=REQUESTS, min_shared=st.integers(1, 12), reserved=st.integers(0, 3))
+def test_what_is_available_is_what_can_be_bound(name: str, requests: list[tuple[Decimal, bool]],
+                                                min_shared: int, reserved: int) -> None:
+    """On any ledger: valid; 0 <= available <= allocatable <= capacity per zone; the L3 zones
+    of a node add up to it; and the node zones' available CPUs are what capacity() counts for
+    single bound CPUs, but for the shared pool's budget, which every zone may spend alone."""
+    t = {**MACHINES, **SHAPES}[name].topology()
+    led = ledger(t, reserved=CPUSet(t.online.sorted()[:reserved]), min_shared_cpus=min_shared)
+    for i, (amount, bound) in enumerate(requests):
+        with contextlib.suppress(CPUServiceError):  # what does not fit is left out
+            led = placement.allocate(t, led, f"r{i}", Request.parse(str(amount),
+                                                                    {"bind": bound}))[0]
+    obj = nrt.export(t, led, name, len(requests))
+    assert nrt_errors(obj) == []
+    nodes = {z["name"]: z for z in obj["zones"] if z["type"] == nrt.NODE_ZONE}
+    for z in obj["zones"]:
+        cpu = resource(z, "cpu")
+        assert 0 <= int(cpu["available"]) <= int(cpu["allocatable"]) <= int(cpu["capacity"])
+    for node_name, z in nodes.items():
+        parts = [resource(l3, "cpu") for l3 in obj["zones"] if l3.get("parent") == node_name]
+        assert sum(int(p["capacity"]) for p in parts) == int(resource(z, "cpu")["capacity"])
+    shared_part = sum(int(resource(z, "cpu")["available"]) for z in nodes.values()) \
+        - len(led.free_isolated)
+    singles = placement.capacity(t, led, Request.parse("1", {"bind": True}))
+    assert singles == len(led.free_isolated) + min(shared_part, led.shared_budget)
