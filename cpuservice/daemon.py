@@ -57,8 +57,10 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
 def metrics_file(cfg: config.Config, service: Service) -> metrics.Textfile | None:
     if not cfg.metrics_file:
         return None
+    store = service.engine.store
     return metrics.Textfile(cfg.metrics_file, lambda: metrics.render(
-        service.topology, service.state, service.engine.counters, __version__))
+        service.topology, service.state, service.engine.counters, __version__,
+        (store.write_error is not None, store.write_failures)))
 
 
 async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> int:

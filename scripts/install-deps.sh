@@ -5,7 +5,7 @@ set -euo pipefail
 declare -A PKGS=(
   [base]="make python3 python3-venv python3-pip"
   [runtime]="python3 python3-dbus-fast python3-pydantic python3-pyudev dbus systemd polkitd"
-  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis scdoc"
+  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis scdoc prometheus"
   [integration]="systemd systemd-container dbus polkitd util-linux"
   [lab]="qemu-system-x86 debootstrap linux-image-amd64 e2fsprogs"
   [deb]="debhelper dh-python python3-all python3-setuptools pybuild-plugin-pyproject scdoc lintian fakeroot"
@@ -25,3 +25,8 @@ echo "installing: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# prometheus is here for promtool (the alert rules' tests): a Prometheus server this script
+# installed is not left running (where systemd is PID 1, Debian's package starts it)
+if [[ " ${missing[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+  systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+fi

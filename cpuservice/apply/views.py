@@ -8,7 +8,8 @@ from typing import Any
 from cpuservice import placement
 from cpuservice.apply import partitions
 from cpuservice.apply.units import NO_QUOTA
-from cpuservice.model.pools import Ledger
+from cpuservice.model.alignment import misalignment
+from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
 
@@ -36,17 +37,32 @@ def allocation(topology: Topology, state: State, name: str,
     p = placement.describe(topology, state.ledger, a)
     wanted = str(a.request.options.partition)
     made = partitions.mode(wanted, set(a.held.ids), set(state.ledger.isolated.ids))
+    health = "; ".join(filter(None, (short(a, state.ledger.granularity),
+                                     partitions.degraded(made, partition))))
+    why = misalignment(topology, a)
     return {
         "Name": name, "CPUs": str(a.request.cpus), "Bound": a.bound,
         "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
         "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
         "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
         "Unit": record.unit, "Owner": record.owner,
-        "State": "degraded" if a.degraded or partitions.degraded(made, partition)
-        else "active",
+        "State": "degraded" if health else "active",
+        "Health": "degraded" if health else "ok", "HealthReason": health,
+        "Aligned": not why, "AlignmentReason": "; ".join(why),
         "Lifetime": a.request.options.lifetime,
         **partitions.views(wanted, partition),
     }
+
+
+def short(a: Allocation, granularity: int) -> str:
+    """Why a repaired allocation is degraded: what it holds of what it asked for."""
+    if not a.degraded:
+        return ""
+    if not a.held:
+        return f"holds none of its {a.request.cpus} CPUs (runs on the shared pool)"
+    pieces = len(a.whole) * granularity + (a.fragment.pieces if a.fragment else 0)
+    has = f"{pieces / granularity:g}"
+    return f"holds {has} of {a.request.cpus} CPUs (no room to place it in full)"
 
 
 def changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ The allocation objects and the error boundary are in cpuservice.bus.objects.
 (No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
 """
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -296,6 +297,11 @@ class Manager(ServiceInterface):
     async def Revalidate(self) -> None:
         await self.authorize(MANAGE)
         await self.service.revalidate()
+
+    @method()
+    @boundary
+    async def ExportNodeResourceTopology(self, node_name: "s") -> "s":
+        return json.dumps(self.service.node_resource_topology(node_name))
 
     # ---- properties ----
 

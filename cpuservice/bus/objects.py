@@ -127,6 +127,7 @@ ALLOCATION_SIGNATURES = {
     "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
     "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
     "State": "s", "Lifetime": "s", "Partition": "s", "PartitionState": "s",
+    "Health": "s", "HealthReason": "s", "Aligned": "b", "AlignmentReason": "s",
 }
 
 
@@ -219,6 +220,22 @@ class Allocation(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def PartitionState(self) -> "s":
         return self.values()["PartitionState"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Health(self) -> "s":
+        return self.values()["Health"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def HealthReason(self) -> "s":
+        return self.values()["HealthReason"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Aligned(self) -> "b":
+        return self.values()["Aligned"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def AlignmentReason(self) -> "s":
+        return self.values()["AlignmentReason"]
 
     @method()
     @boundary

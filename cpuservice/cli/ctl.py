@@ -19,7 +19,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cpuservice import __version__
-from cpuservice.cli import topoview
+from cpuservice.cli import ctl_export, topoview
 from cpuservice.cli.client import (
     ALLOCATION,
     DEST,
@@ -72,7 +72,8 @@ def _global_options(top: bool) -> argparse.ArgumentParser:
         help="JSON output: short, pretty or off (plain --json: pretty on a terminal)")
     add("-j", dest="json", action="store_const", const="auto",
         help="same as --json (pretty on a terminal, short otherwise)")
-    add("-o", "--output", choices=tuple(OUTPUTS), help="text, json or json-pretty")
+    add("-o", "--output", choices=tuple(OUTPUTS),
+        help="text, json or json-pretty (export: yaml too, its default)")
     add("--no-ask-password", action="store_true",
         help="do not ask for a password when polkit wants one")
     add("--bus-address", help="D-Bus address instead of the system bus")
@@ -123,12 +124,16 @@ def parser() -> argparse.ArgumentParser:
                       help="only NUMA node N (repeatable)")
     sub.add_parser("watch", help="follow the service's changes, one line per event")
     sub.add_parser("revalidate", help="re-read the topology now and repair")
+    ctl_export.add_parser(sub)
     return p
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     """Parse the command line; a bare ``--json`` means ``--json=auto`` (as -j)."""
-    args = parser().parse_args(["--json=auto" if a == "--json" else a for a in argv])
+    p = parser()
+    args = p.parse_args(["--json=auto" if a == "--json" else a for a in argv])
+    if ctl_export.check_output(args):
+        p.error(str(ctl_export.check_output(args)))
     args.json_mode = json_mode(args.json, args.output, sys.stdout.isatty())
     # decided on the real standard output, before a pager takes it
     args.colour = colour_wanted(sys.stdout, args.no_color)
@@ -345,7 +350,7 @@ async def _revalidate(c: Client, args: argparse.Namespace) -> int:
 HANDLERS = {"status": _status, "list": _list, "show": _show, "plan": _plan,
             "capacity": _capacity, "topology": _topology, "watch": _watch,
             "allocate": _allocate, "resize": _resize, "release": _release,
-            "revalidate": _revalidate}
+            "revalidate": _revalidate, "export": ctl_export.export}
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -32,7 +32,9 @@ class JsonMode(StrEnum):
     PRETTY = "pretty"
 
 
-OUTPUTS = {"text": JsonMode.OFF, "json": JsonMode.SHORT, "json-pretty": JsonMode.PRETTY}
+# yaml: export only (cpuservicectl refuses it for the other commands)
+OUTPUTS = {"text": JsonMode.OFF, "json": JsonMode.SHORT, "json-pretty": JsonMode.PRETTY,
+           "yaml": JsonMode.OFF}
 
 
 def json_mode(value: str | None, output: str | None, terminal: bool) -> JsonMode:

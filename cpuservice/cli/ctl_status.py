@@ -104,6 +104,9 @@ async def allocation_status(c: Client, args: argparse.Namespace) -> int:
         ("CPUs", f"{a['CPUSet'] or '-'}" + (f" (shares {shares(a['Shares'])})"
                                            if a["Shares"] else "")),
         ("NUMA nodes", a["MemoryNodes"] or "-"),
+        ("Health", a.get("Health", "ok") + (f": {a['HealthReason']}" if a.get("HealthReason")
+                                            else "")),
+        ("Aligned", "yes" if a.get("Aligned") else f"no ({a.get('AlignmentReason', '')})"),
         ("Quota", f"{percent(a['CPUQuotaPerSecUSec'])}, weight {a['CPUWeight']}"),
         ("Lifetime", a["Lifetime"]),
         ("Unit", f"{a['Unit']}: {state}"),

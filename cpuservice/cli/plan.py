@@ -6,17 +6,23 @@
 Steps: ``NAME=CPUS[:OPTIONS]`` allocates (options ``key=value`` separated by commas; a bare key
 means true), ``NAME~CPUS`` resizes, ``release:NAME`` releases, ``offline:N`` / ``online:N``
 change the online set and repair. No systemd, no D-Bus: the same pure engine the daemon uses.
+
+``--export nrt`` prints, instead of the pools, the machine after the steps as the
+NodeResourceTopology object cpuservicectl export nrt prints (JSON; cpuservice.model.nrt).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import socket
 import sys
 from collections.abc import Sequence
 from decimal import Decimal
 
 from cpuservice import placement
 from cpuservice.host.sysfs import discover
+from cpuservice.model import nrt
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CPUServiceError
 from cpuservice.model.fixtures import MACHINES, SHAPES
@@ -94,19 +100,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-shared", type=int, default=1)
     parser.add_argument("--draw", action="store_true",
                         help="end with the machine drawn as cpuservicectl topology draws it")
+    parser.add_argument("--export", choices=("nrt",),
+                        help="print the result as a NodeResourceTopology object (JSON)")
+    parser.add_argument("--node-name", help="the object's name (default: the machine's name, "
+                        "or this host's for --sysfs-root)")
     parser.add_argument("steps", nargs="*")
     args = parser.parse_args(argv)
-    if args.machine:
-        full = topology = {**MACHINES, **SHAPES}[args.machine].topology()  # built in memory
-    else:
-        full = topology = discover(args.sysfs_root or "/sys")
-    ledger = Ledger(
-        topology.online,
-        reserved=CPUSet.parse(args.reserved),
-        isolated=topology.isolated & topology.online,
-        granularity=args.granularity,
-        min_shared_cpus=args.min_shared,
-    )
+    if args.export:
+        return _export(args)
+    full = topology = _topology(args)
+    ledger = _ledger(topology, args)
     print(f"topology: {len(full.all)} CPUs, {len(full.sockets)} socket(s), {len(full.nodes)} "
           f"NUMA node(s), {len(full.l3_groups)} L3 group(s), {full.threads_per_core} thread(s) "
           f"per core; online {full.online}")
@@ -126,6 +129,41 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         print(topoview.draw_ledger(topology, ledger, colour=sys.stdout.isatty(),
                                    style=topoview.Style(unicode=_utf8())))
+    return status
+
+
+def _topology(args: argparse.Namespace) -> Topology:
+    if args.machine:
+        return {**MACHINES, **SHAPES}[args.machine].topology()  # built in memory
+    return discover(args.sysfs_root or "/sys")
+
+
+def _ledger(topology: Topology, args: argparse.Namespace) -> Ledger:
+    return Ledger(topology.online, reserved=CPUSet.parse(args.reserved),
+                  isolated=topology.isolated & topology.online,
+                  granularity=args.granularity, min_shared_cpus=args.min_shared)
+
+
+def _export(args: argparse.Namespace) -> int:
+    """The steps, quietly (a failed one on standard error), then the object; its generation
+    is the number of steps that changed the ledger."""
+    full = topology = _topology(args)
+    ledger = _ledger(topology, args)
+    generation, status = 0, 0
+    for step in args.steps:
+        try:
+            topology, ledger, _ = _step(topology, full, ledger, step)
+            generation += 1
+        except CPUServiceError as exc:
+            print(f"cpuservice-plan: {step}: {type(exc).__name__}: {exc}", file=sys.stderr)
+            status = 1
+    name = args.node_name or args.machine or nrt.default_node_name(socket.gethostname())
+    try:
+        obj = nrt.export(topology, ledger, name, generation)
+    except CPUServiceError as exc:
+        print(f"cpuservice-plan: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(obj, indent=2))
     return status
 
 

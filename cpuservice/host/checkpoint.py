@@ -121,6 +121,7 @@ class Store:
         # why the last write failed (disk full, read-only), until one succeeds: the service
         # says so in its status and refuses only the changes that need a write
         self.write_error: str | None = None
+        self.write_failures = 0  # since the start, for the metrics
 
     def save(self, state: State, touched: set[str] | None = None) -> None:
         """Write ``state``; ``touched`` names the allocations changed since the last save (the
@@ -171,6 +172,7 @@ class Store:
                 fsync_dir(self.path.parent)
         except OSError as exc:
             self.write_error = f"cannot write {self.journal}: {exc.strerror}"
+            self.write_failures += 1
             raise CheckpointWriteError(self.write_error) from None
         self.write_error = None
         self._rows, self._granularity = rows, granularity
@@ -200,6 +202,7 @@ class Store:
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
             self.write_error = f"cannot write {self.path}: {exc.strerror}"
+            self.write_failures += 1
             raise CheckpointWriteError(self.write_error) from None
         self.write_error = None
         self._rows, self._granularity, self._snapshot_bytes = rows, granularity, len(text)

@@ -27,6 +27,7 @@ from cpuservice.model.topology import Topology
 
 log = logging.getLogger(__name__)
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+REPAIRS = ("hotplug", "revalidate")  # the triggers a running daemon repairs on
 WRITE_DELAY = 0.2  # seconds: one write for a burst of changes
 
 
@@ -52,6 +53,7 @@ class Counters:
         self.repairs: dict[str, int] = {}
         self.repaired: dict[str, int] = {}
         self.durations: dict[str, Histogram] = {}
+        self.repair_failures: dict[str, int] = {}
         self.listeners: list[Callable[[], None]] = []
 
     def _changed(self) -> None:
@@ -70,6 +72,13 @@ class Counters:
         self.repairs[trigger] = self.repairs.get(trigger, 0) + 1
         self.repaired[trigger] = self.repaired.get(trigger, 0) + changed
         self.durations.setdefault(trigger, Histogram()).observe(seconds)
+        self._changed()
+
+
+    def repair_failed(self, trigger: str) -> None:
+        """A repair (``trigger``: hotplug, revalidate) failed: systemd or the checkpoint
+        refused its result, which was rolled back."""
+        self.repair_failures[trigger] = self.repair_failures.get(trigger, 0) + 1
         self._changed()
 
 
@@ -100,8 +109,11 @@ class _Text:
         self.lines += [f"{name}{_labels(labels)} {_number(value)}" for labels, value in samples]
 
 
-def render(topology: Topology, state: State, counters: Counters, version: str) -> str:
-    """The metrics as Prometheus text (pure)."""
+def render(topology: Topology, state: State, counters: Counters, version: str,
+           checkpoint: tuple[bool, int] = (False, 0)) -> str:
+    """The metrics as Prometheus text (pure); ``checkpoint``: whether the checkpoint cannot
+    be written now (the service refuses changes) and how many writes failed since the start.
+    The alert rules shipped with the package (prometheus/cpuservice.rules.yml) use these."""
     ledger = state.ledger
     out = _Text()
     out.family("cpuservice_info", "gauge", "The running cpuserviced (value 1).",
@@ -110,6 +122,9 @@ def render(topology: Topology, state: State, counters: Counters, version: str) -
              "shared": ledger.shared, "exclusive": ledger.exclusive, "fragment": ledger.fragment}
     out.family("cpuservice_pool_cpus", "gauge", "CPUs in each pool.",
                [({"pool": pool}, len(cpus)) for pool, cpus in pools.items()])
+    out.family("cpuservice_shared_min_cpus", "gauge",
+               "The fewest CPUs the shared pool keeps (min_shared_cpus).",
+               [({}, ledger.min_shared_cpus)])
     out.family("cpuservice_pool_info", "gauge", "The CPUs of each pool as a cpu list (value 1).",
                [({"pool": pool, "cpus": cpus.format()}, 1) for pool, cpus in pools.items()])
     values = {name: views.allocation(topology, state, name) for name in sorted(ledger.allocations)}
@@ -141,6 +156,15 @@ def render(topology: Topology, state: State, counters: Counters, version: str) -
     out.family("cpuservice_repaired_allocations_total", "counter",
                "Allocations a repair changed, by trigger.",
                [({"trigger": t}, n) for t, n in sorted(counters.repaired.items())])
+    out.family("cpuservice_repair_failures_total", "counter",
+               "Repairs that failed and were rolled back, by trigger.",
+               [({"trigger": t}, counters.repair_failures.get(t, 0))  # 0 from the start:
+                for t in sorted({*REPAIRS, *counters.repair_failures})])  # increase() sees 1
+    out.family("cpuservice_checkpoint_write_failing", "gauge",
+               "1 while the state cannot be written (every change is refused).",
+               [({}, int(checkpoint[0]))])
+    out.family("cpuservice_checkpoint_write_failures_total", "counter",
+               "Failed writes of the checkpoint since the start.", [({}, checkpoint[1])])
     out.family("cpuservice_repair_duration_seconds", "histogram",
                "How long a repair took, from reading the topology to systemd holding the result.",
                [])

@@ -236,4 +236,5 @@ def refresh(sysfs_root: str | Path, previous: Topology) -> Topology:
     isolated = r.cpus(base / "isolated") or EMPTY
     return Topology(previous.with_online(online).cpus, isolated, previous.inferred,
                     previous.notes, previous.memory_nodes, previous.memory_of,
-                    previous.pseudo_nodes, previous.node_memory_kb, previous.warnings)
+                    previous.pseudo_nodes, previous.node_memory_kb, previous.warnings,
+                    previous.node_distances)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
-from cpuservice.model.memory import memory_nodes
+from cpuservice.model.memory import distances, memory_nodes
 from cpuservice.model.reading import CPUFacts, NodeFacts, Reading
 from cpuservice.model.topology import CPU, Topology, TopologyError
 
@@ -269,7 +269,8 @@ def resolve(reading: Reading, previous: Topology | None = None) -> Topology:
     }
     memory, memory_of, kb = memory_nodes(reading, node_ids, pseudo, cpus)
     return Topology(cpus, reading.isolated & ids, CPUSet(inferred), notes, memory,
-                    memory_of, pseudo, kb, tuple(warnings))
+                    memory_of, pseudo, kb, tuple(warnings), distances(reading, node_ids))
+
 
 
 def _consistent_cores(raw: dict[int, _Place], reading: Reading, warn: Callable[[str], None]

@@ -1,5 +1,6 @@
-"""Which NUMA nodes have memory, and the memory nodes nearest to each node that has none (by
-its distance row): part of discovery (cpuservice.model.discovery). Pure."""
+"""Which NUMA nodes have memory, the memory nodes nearest to each node that has none (by its
+distance row) and the table of node distances: part of discovery (cpuservice.model.discovery).
+Pure."""
 
 from __future__ import annotations
 
@@ -38,3 +39,15 @@ def nearest(facts: NodeFacts | None, node_ids: CPUSet, memory: CPUSet) -> CPUSet
     distance = dict(zip(node_ids.sorted(), facts.distances, strict=True))
     best = min(distance[n] for n in memory)
     return CPUSet(n for n in memory if distance[n] == best)
+
+
+def distances(reading: Reading, node_ids: CPUSet) -> dict[int, dict[int, int]]:
+    """node -> node -> distance, from the nodes' ``distance`` rows (a row names every node in
+    the order of their ids); nothing unless every row was read whole, so that a half-read
+    table never mixes with the defaults (Topology.distance)."""
+    order = node_ids.sorted()
+    rows = {n: f.distances for n, f in reading.nodes.items()}
+    if not order or any(r is None or len(r) != len(order) for r in rows.values()):
+        return {}
+    return {n: dict(zip(order, row, strict=True)) for n, row in sorted(rows.items())
+            if row is not None}

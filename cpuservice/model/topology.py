@@ -85,9 +85,10 @@ class Topology:
     CPU counts as having memory). ``memory_of``: node -> the memory nodes its CPUs use when
     that is not the node itself (a node without memory, a pseudo node). ``pseudo_nodes``: NUMA
     groups of CPUs whose node the kernel does not say (no kernel node has these ids).
-    ``node_memory_kb``: node -> MemTotal where read. ``warnings``: what discovery found
-    malformed or contradictory, each naming its file. (Neither is compared: two readings of one
-    machine are equal whatever their warnings and free memory.)"""
+    ``node_memory_kb``: node -> MemTotal where read. ``node_distances``: node -> node -> the
+    kernel's distance (``nodeN/distance``) where every row was read whole. ``warnings``: what
+    discovery found malformed or contradictory, each naming its file. (None of these three is
+    compared: two readings of one machine are equal whatever their warnings and memory.)"""
 
     cpus: Mapping[int, CPU]
     isolated: CPUSet = field(default=EMPTY)
@@ -99,6 +100,7 @@ class Topology:
     pseudo_nodes: CPUSet = field(default=EMPTY)
     node_memory_kb: Mapping[int, int] = field(default_factory=dict, compare=False)
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    node_distances: Mapping[int, Mapping[int, int]] = field(default_factory=dict, compare=False)
 
     @cached_property
     def all(self) -> CPUSet:
@@ -201,6 +203,14 @@ class Topology:
 
     def socket_of(self, cpu: int) -> int:
         return self.cpus[cpu].socket
+
+    def distance(self, a: int, b: int) -> int:
+        """The kernel's distance from node ``a`` to node ``b``; where it was not read (pseudo
+        nodes, a kernel without NUMA), the kernel's own defaults: 10 local, 20 remote."""
+        known = self.node_distances.get(a, {}).get(b)
+        if known is not None:
+            return known
+        return 10 if a == b else 20
 
     def siblings(self, cpu: int) -> CPUSet:
         """The online threads of ``cpu``'s core (itself included when online)."""

@@ -82,6 +82,7 @@ class Snapshot:
     partition_reports: Mapping[str, partitions.State | None]
     capabilities: partitions.Capabilities
     irqs: Report | None
+    generation: int = 0  # changes committed since the start (the service counts them)
 
     def partition_report(self, name: str) -> partitions.State | None:
         return self.partition_reports.get(name)

@@ -9,6 +9,7 @@ import asyncio
 import itertools
 import logging
 import secrets
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -24,7 +25,7 @@ from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.journal import Kind
 from cpuservice.host.sysfs import discover, refresh
-from cpuservice.model import limits
+from cpuservice.model import limits, nrt
 from cpuservice.model.errors import (
     AllocationExists,
     CheckpointWriteError,
@@ -65,6 +66,11 @@ class Service:
         self._next_serial = itertools.count(1)
         self._partition_watch: asyncio.Task[None] | None = None
         self.healer = PartitionHealer(engine)
+        self.generation = 0  # changes committed since the start: the NRT export's generation
+        engine.on_committed.append(self._count_commit)
+
+    def _count_commit(self) -> None:
+        self.generation += 1
 
     # ---- reads ---------------------------------------------------------------------------
 
@@ -99,7 +105,15 @@ class Service:
         self.engine.on_committed.append(callback)
 
     def snapshot(self) -> Snapshot:
-        return self.engine.snapshot()
+        return replace(self.engine.snapshot(), generation=self.generation)
+
+    def node_resource_topology(self, node_name: str = "") -> dict[str, Any]:
+        """The machine now as a NodeResourceTopology object (cpuservice.model.nrt), named
+        ``node_name`` (empty: this host's name); InvalidArgument for a bad name."""
+        snap = self.snapshot()
+        name = node_name or nrt.default_node_name(socket.gethostname())
+        return nrt.export(snap.topology, snap.state.ledger, name, snap.generation,
+                          self.config.default_options)
 
     def count_request(self, method: str, result: str) -> None:
         """A finished D-Bus request, for the metrics."""
@@ -334,6 +348,13 @@ class Service:
         """Re-read the topology and repair (the same repair runs at startup). ``full`` also
         re-checks every unit against systemd; CPU hotplug applies just the differences."""
         began = time.monotonic()
+        try:
+            await self._revalidate(full, began)
+        except Exception:  # systemd, the checkpoint or sysfs: rolled back, counted, raised
+            self.engine.counters.repair_failed("revalidate" if full else "hotplug")
+            raise
+
+    async def _revalidate(self, full: bool, began: float) -> None:
         async with self.lock:
             old_topology = self.topology
             if full:

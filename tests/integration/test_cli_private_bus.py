@@ -182,6 +182,7 @@ def test_status_pools_and_one_allocation(svc: PrivateService) -> None:
     one = svc.ctl("status", "web").stdout
     assert one.startswith("web - 2 CPU(s), bound, active")
     assert "NUMA nodes: 0" in one and "Owner: root (0)" in one
+    assert "Health: ok" in one and "Aligned: no (memory not restricted" in one
     # no systemd on this bus: the unit's state is unknown, and said so
     assert "Unit: cpuservice-bound-web.slice: unknown" in one
     js = json.loads(svc.ctl("status", "web", "-j").stdout)
@@ -230,6 +231,32 @@ def test_watch_timestamps_property_changes_and_json(svc: PrivateService) -> None
     changed = [e for e in events if e["signal"] == "PropertiesChanged" and e["allocation"] == "w"]
     assert changed and changed[0]["changed"]["CPUs"] == "2"
     assert all(e["realtime_usec"] > 0 for e in events)
+
+
+def test_export_nrt_json_yaml_and_watch(svc: PrivateService) -> None:
+    """export nrt through the real Manager: the schema, YAML by default, and --watch printing
+    once at the start and again within a second or two of a change (issue 28)."""
+    from tests.schema import nrt_errors
+
+    one = svc.ctl("export", "nrt", "--node-name", "w1", "-o", "json")
+    assert one.returncode == 0, one.stderr
+    obj = json.loads(one.stdout)
+    assert nrt_errors(obj) == [] and obj["metadata"]["name"] == "w1"
+    assert svc.ctl("export", "nrt").stdout.startswith("---\napiVersion: ")
+    bad = svc.ctl("export", "nrt", "--node-name", "W_1")
+    assert bad.returncode == 2 and "kubectl get nodes" in bad.stderr
+    cmd = [sys.executable, "-m", "cpuservice.cli.ctl", "--bus-address", svc.address, "export",
+           "nrt", "--watch", "-o", "json"]
+    watch = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=svc.env())
+    time.sleep(2)
+    svc.ctl("allocate", "w", "2", "--bind")
+    time.sleep(2)
+    watch.terminate()
+    objects = [json.loads(line) for line in watch.communicate(10)[0].splitlines()]
+    assert len(objects) == 2 and all(nrt_errors(o) == [] for o in objects)
+    counts = [next(a["value"] for a in o["attributes"]
+                   if a["name"] == "cpuservice.io/bound-allocations") for o in objects]
+    assert counts == ["0", "1"]
 
 
 def test_errors_name_the_fix(svc: PrivateService, tmp_path: Path) -> None:

@@ -240,3 +240,21 @@ def test_impossible_ids_are_ignored_with_a_warning(tmp_path: Path) -> None:
     (root / "devices/system/node/node99999").mkdir(parents=True)
     t = discover(root)
     assert t.all == CPUSet.parse("0-7") and any("cpu99999" in w for w in t.warnings)
+
+
+def test_node_distances_are_read_from_sysfs(tmp_path: Path) -> None:
+    """nodeN/distance rows become Topology.distance; the fixture's table is 10 local, 20 to a
+    node of the same kind, 30 to a memory-only one."""
+    t = discover(write_sysfs(tmp_path, "memory-only"))
+    assert t.distance(0, 0) == 10 and t.distance(0, 1) == 20 and t.distance(1, 3) == 30
+    assert t.node_distances[2] == {0: 30, 1: 30, 2: 10, 3: 20}
+
+
+def test_node_distances_default_to_the_kernels_when_unread(tmp_path: Path) -> None:
+    """A missing or short row: no table at all (never half of one), the defaults 10/20."""
+    root = write_sysfs(tmp_path, "b")
+    (root / "devices/system/node/node1/distance").write_text("10\n")
+    t = discover(root)
+    assert t.node_distances == {}
+    assert (t.distance(1, 1), t.distance(0, 1)) == (10, 20)
+    assert MACHINES["a"].topology().distance(0, 0) == 10

@@ -95,6 +95,9 @@ def test_completion_is_valid_bash() -> None:
     ("cpuservicectl list --json ", "pretty"),
     ("cpuservicectl show x -p CPUS", "CPUSet"),
     ("cpuservicectl topology --", "--compact"),
+    ("cpuservicectl export ", "nrt"),
+    ("cpuservicectl export nrt --w", "--watch"),
+    ("cpuservicectl show x -p Ali", "Aligned"),
     ("cpuservice-run --cpus 2 --numa-alignment ", "single-numa-node"),
     ("cpuservice-run --cpus 2 --sl", ""),  # refused options are not offered
 ])
