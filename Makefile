@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        test-lab-modern bench-placement bench-service bench-hotplug bench-irq bench-partition \
+        test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
         run man deb
 
 setup:
@@ -49,6 +49,10 @@ test-integration:
 # both VM labs: Debian 12 (systemd 252) and Debian sid (systemd >= 261, kernel partitions)
 test-lab:
 	$(PY) $(PYTEST) tests/lab
+
+# the containers lab alone (Debian 12 with podman: lab.PODMAN)
+test-lab-containers:
+	$(PY) $(PYTEST) tests/lab/test_lab_containers.py
 
 # the sid lab alone
 test-lab-modern:

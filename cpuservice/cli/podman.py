@@ -13,7 +13,9 @@ Refused before anything is allocated, each with the reason:
   cpuservice-run's own options;
 - ``--cgroups=disabled``: the container would have no cgroup of its own;
 - podman's global ``--cgroup-manager=cgroupfs``: podman would create the container's cgroup
-  itself, which systemd neither knows nor confines to the slice.
+  itself, which systemd neither knows nor confines to the slice;
+- podman run by a user other than root (rootless): its containers live in the user's own
+  systemd manager, which the allocation's slice (in the system manager) cannot hold.
 With ``--cgroups=split`` podman nests the container under its own cgroup (cpuservice-run's
 scope in the slice), so nothing is added. Options are recognised anywhere after ``run`` (a
 container command that passes one of these words to its own program is refused too).
@@ -52,10 +54,12 @@ def _value(args: Sequence[str], i: int, name: str) -> tuple[str | None, int]:
     return None, i
 
 
-def run_index(command: Sequence[str]) -> int | None:
+def run_index(command: Sequence[str], root: bool = True) -> int | None:
     """Where podman's ``run`` subcommand is in ``command`` (a podman command line), or None
     when ``command`` is not a ``podman run`` / ``podman container run``; raises PodmanUsage
-    for what cpuservice-run refuses."""
+    for what cpuservice-run refuses (``root``: whether podman runs as root; rootless podman
+    puts its containers in the user's own systemd manager, which a slice of the system manager
+    cannot hold)."""
     if not command or os.path.basename(command[0]) != "podman":
         return None
     i = 1
@@ -76,6 +80,10 @@ def run_index(command: Sequence[str]) -> int | None:
         at = i + 1
     else:
         return None
+    if not root:
+        raise PodmanUsage("rootless podman run is not supported: its containers live in your "
+                          "user manager's cgroups, outside the allocation's slice of the system "
+                          "manager (run it as root: sudo cpuservice-run ... -- podman run ...)")
     _check_run(command[at + 1:])
     return at
 

@@ -247,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         return missing
     try:
-        podman.run_index(line.command)
+        podman.run_index(line.command, root=os.geteuid() == 0)
     except podman.PodmanUsage as exc:
         print(f"cpuservice-run: {exc}", file=sys.stderr)
         return EXIT_WRAPPER

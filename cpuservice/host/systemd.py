@@ -37,6 +37,12 @@ def as_dbus(props: Props) -> list[list[Any]]:
     return [[name, Variant(sig, value)] for name, (sig, value) in props.items()]
 
 
+# How long a job (start, stop) is waited for: longer than systemd's DefaultTimeoutStopSec (90 s),
+# after which systemd kills what ignored SIGTERM, so that stopping a slice whose process ignores
+# SIGTERM (a container's PID 1 does) ends as a stop, not as our timeout (seen in the lab).
+JOB_SECONDS = 120
+
+
 class Systemd:
     """Calls into systemd and follows its signals; one instance per bus connection."""
 
@@ -121,7 +127,11 @@ class Systemd:
             future = asyncio.get_running_loop().create_future()
             self._waiting[job] = future
             try:
-                result = await asyncio.wait_for(future, 90)
+                result = await asyncio.wait_for(future, JOB_SECONDS)
+            except TimeoutError:
+                raise SystemdFailure(
+                    f"systemd job {member} {body[0]} did not finish within {JOB_SECONDS} s "
+                    f"(systemctl list-jobs shows it; it goes on in systemd)") from None
             finally:
                 self._waiting.pop(job, None)
         if result != "done":

@@ -248,3 +248,14 @@ MODERN: dict[str, Scenario] = {
     "repair-partitioned": Scenario(f"{HOTPLUG} repair --partition isolated", 150, ("install",)),
     "storm": Scenario(f"{HOTPLUG} storm", 300, ("install",)),
 }
+
+# Debian 12 with podman (lab.PODMAN), the default shape, one boot: containers on allocated CPUs,
+# the three ways people start them (tests/lab/scenarios/containers.py, the README's recipes).
+CONTAINERS_PY = "python3 /payload/tests/lab/scenarios/containers.py"
+CONTAINERS: dict[str, Scenario] = {
+    "install": Scenario(INSTALL, 300),
+    "podman": Scenario(f"{CONTAINERS_PY} setup", 300, ("install",)),
+    "parent": Scenario(f"{CONTAINERS_PY} parent", 300, ("podman",)),
+    "run": Scenario(f"{CONTAINERS_PY} run", 300, ("podman",)),
+    "service": Scenario(f"{CONTAINERS_PY} service", 300, ("podman",)),
+}

@@ -79,6 +79,27 @@ def test_a_finished_daemon_reload_is_followed_only_from_systemd() -> None:
     assert reloads == [1]
 
 
+def test_a_job_that_does_not_finish_is_a_named_failure(monkeypatch) -> None:
+    """The lab's container lab: stopping a slice whose container ignores SIGTERM takes
+    systemd's 90 s stop timeout; the wait for the job was also 90 s and its timeout reached the
+    caller as "systemd failed: " with nothing after it. Now the wait is longer than systemd's
+    stop timeout, and a job that still does not finish is a SystemdFailure that says so."""
+    from cpuservice.host import systemd as module
+    from cpuservice.model.errors import SystemdFailure
+
+    assert module.JOB_SECONDS > 90
+    monkeypatch.setattr(module, "JOB_SECONDS", 0.05)
+    systemd = Systemd(bus=None)  # type: ignore[arg-type]
+
+    async def call(member: str, signature: str = "", body: Any = (), **_: Any) -> list[Any]:
+        return ["/org/freedesktop/systemd1/job/7"]  # a job whose JobRemoved never comes
+
+    systemd.call = call  # type: ignore[method-assign]
+    with pytest.raises(SystemdFailure, match=r"StopUnit web.slice did not finish within"):
+        asyncio.run(systemd.stop("web.slice"))
+    assert not systemd._waiting
+
+
 def test_watch_prints_no_control_characters() -> None:
     assert printable("AllocationChanged \x1b[2J\x07x\ty") == \
         "AllocationChanged \\x1b[2J\\x07x\\ty"

@@ -48,6 +48,12 @@ def test_what_would_leave_the_slice_is_refused(command: list[str], named: str) -
         podman.run_index(command)
 
 
+def test_rootless_podman_is_refused() -> None:
+    with pytest.raises(podman.PodmanUsage, match="rootless"):
+        podman.run_index(["podman", "run", "img"], root=False)
+    assert podman.run_index(["podman", "images"], root=False) is None
+
+
 def test_cpuservice_run_refuses_before_allocating(tmp_path: Path) -> None:
     """Exit 125 with the reason, and no bus was asked (the address does not exist: reaching
     for it would say so)."""
