@@ -196,6 +196,38 @@ def _short(argv: Sequence[str], i: int, line: Line) -> int:
     return i
 
 
+def _pairs(line: Line, names: Sequence[str]) -> list[str]:
+    """The values systemd-run's options ``names`` get in ``line``."""
+    out = []
+    words = line.passthrough
+    for i, word in enumerate(words[:-1]):
+        if word in names:
+            out.append(words[i + 1])
+    return out
+
+
+def _other_user(line: Line) -> bool:
+    """Whether systemd-run runs the command as a user other than root (--uid, -p User=,
+    -p DynamicUser=): a podman there is rootless."""
+    users = _pairs(line, ("--uid",))
+    for prop in _pairs(line, ("--property", "-p")):
+        name, _, value = prop.partition("=")
+        if name == "User":
+            users.append(value)
+        elif name == "DynamicUser" and value.lower() in ("1", "yes", "true", "on"):
+            return True
+    return any(u not in ("0", "root") for u in users)
+
+
+def _setenv(line: Line) -> dict[str, str]:
+    """The environment systemd-run's -E/--setenv adds."""
+    out = {}
+    for pair in _pairs(line, ("--setenv", "-E")):
+        name, _, value = pair.partition("=")
+        out[name] = value if value or "=" in pair else os.environ.get(name, "")
+    return out
+
+
 def find_command(command: Sequence[str]) -> int:
     """0 when ``command`` can be run; else the exit code, with the reason printed."""
     name = command[0]
@@ -247,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if missing:
         return missing
     try:
-        podman.run_index(line.command, root=os.geteuid() == 0)
+        podman.run_index(line.command, root=os.geteuid() == 0 and not _other_user(line),
+                         env={**os.environ, **_setenv(line)})
     except podman.PodmanUsage as exc:
         print(f"cpuservice-run: {exc}", file=sys.stderr)
         return EXIT_WRAPPER

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice.cli import podman
+from cpuservice.cli import podman, run
 
 SLICE = "cpuservice-bound-web.slice"
 
@@ -24,9 +24,14 @@ SLICE = "cpuservice-bound-web.slice"
       f"--cgroup-parent={SLICE}", "-d", "img"]),
     (["podman", "--cgroup-manager", "systemd", "run", "img"],
      ["podman", "--cgroup-manager", "systemd", "run", f"--cgroup-parent={SLICE}", "img"]),
-    (["podman", "run", "--cgroups=split", "img"], ["podman", "run", "--cgroups=split", "img"]),
+    (["podman", "--namespace", "ns", "run", "img"],  # unknown options take a value
+     ["podman", "--namespace", "ns", "run", f"--cgroup-parent={SLICE}", "img"]),
+    (["podman", "container", "--log-level=debug", "run", "img"],
+     ["podman", "container", "--log-level=debug", "run", f"--cgroup-parent={SLICE}", "img"]),
+    (["podman", "run", "--cgroups=no-conmon", "img"],
+     ["podman", "run", f"--cgroup-parent={SLICE}", "--cgroups=no-conmon", "img"]),
     (["podman", "images"], ["podman", "images"]),
-    (["podman", "--root", "run", "ps"], ["podman", "--root", "run", "ps"]),  # run is a value
+    (["podman", "exec", "web", "run"], ["podman", "exec", "web", "run"]),
     (["make", "run"], ["make", "run"]),
     (["podman-remote", "run", "img"], ["podman-remote", "run", "img"]),
 ])
@@ -42,10 +47,45 @@ def test_podman_run_gets_the_slice(command: list[str], expected: list[str]) -> N
     (["podman", "run", "--cgroups", "disabled", "img"], "--cgroups=disabled"),
     (["podman", "--cgroup-manager=cgroupfs", "run", "img"], "cgroupfs"),
     (["podman", "--cgroup-manager", "cgroupfs", "run", "img"], "cgroupfs"),
+    (["podman", "run", "--cgroup-manager=cgroupfs", "img"], "cgroupfs"),
+    (["podman", "run", "--cgroups=split", "img"], "--cgroups=split"),
+    (["podman", "run", "--cgroups=split", "--cgroups=enabled", "img"], "--cgroups=split"),
+    (["podman", "run", "img", "app", "--cgroups=split"], "--cgroups=split"),
+    (["podman", "run", "--cgroup-conf=cpuset.cpus=1", "img"], "--cgroup-conf"),
+    (["podman", "--url", "unix:///run/user/1000/podman/podman.sock", "run", "img"], "--url"),
+    (["podman", "-r", "run", "img"], "-r"),
+    (["podman", "--connection=other", "run", "img"], "--connection"),
+    (["podman", "--unknown-flag", "run", "img"], "--option=value"),
+    (["podman", "--root", "run", "ps"], "--option=value"),  # run may be the subcommand
+    (["podman", "container", "--unknown-flag", "run", "img"], "--option=value"),
 ])
 def test_what_would_leave_the_slice_is_refused(command: list[str], named: str) -> None:
     with pytest.raises(podman.PodmanUsage, match=named):
         podman.run_index(command)
+
+
+def test_a_remote_podman_from_the_environment_is_refused() -> None:
+    with pytest.raises(podman.PodmanUsage, match="CONTAINER_HOST"):
+        podman.run_index(["podman", "run", "img"], env={"CONTAINER_HOST": "ssh://x/run/p.sock"})
+
+
+@pytest.mark.parametrize("argv,refused", [
+    (["--uid=1000"], True), (["--uid", "alice"], True), (["-p", "User=alice"], True),
+    (["--property=DynamicUser=yes"], True), (["-pUser=bob"], True), (["--uid=0"], False),
+    (["-p", "User=root"], False), (["-E", "CONTAINER_HOST=tcp://h:1"], True), ([], False),
+])
+def test_podman_as_another_user_or_remote_through_systemd_run(argv: list[str],
+                                                              refused: bool) -> None:
+    """systemd-run's --uid / -p User= make the podman it starts rootless, and -E can point it
+    at another podman service: cpuservice-run refuses them with a podman run as well."""
+    line = run.scan([*argv, "podman", "run", "img"])
+    root = not run._other_user(line)
+    env = run._setenv(line)
+    if refused:
+        with pytest.raises(podman.PodmanUsage):
+            podman.run_index(line.command, root=root, env=env)
+    else:
+        assert podman.run_index(line.command, root=root, env=env) == 1
 
 
 def test_rootless_podman_is_refused() -> None:
