@@ -26,6 +26,9 @@ def test_the_export_follows_every_committed_change(tmp_path: Path) -> None:
         start = svc.generation
         obj = svc.node_resource_topology("worker-1")
         assert nrt_errors(obj) == [] and obj["metadata"] == {"name": "worker-1"}
+        # nothing changed: the same object, not built again (an unauthenticated read)
+        assert svc.node_resource_topology("worker-1") is obj
+        assert svc.node_resource_topology("worker-2") is not obj
         assert attribute(obj, "topologyManagerPolicy") == "single-numa-node"
         assert attribute(obj, "cpuservice.io/cpu-memory-aligned") == "true"
         await svc.allocate("db", "2", BIND, 0)
