@@ -92,6 +92,13 @@ def test_a_closed_pipe_ends_quietly() -> None:
     assert out.returncode == 0 and out.stderr == ""
 
 
+def test_plan_into_head_ends_quietly() -> None:
+    """`cpuservice-plan --export nrt | head -1` printed a BrokenPipeError traceback."""
+    out = subprocess.run(f"{sys.executable} -m cpuservice.cli.plan --machine e --export nrt "
+                         "| head -c 10", shell=True, capture_output=True, text=True)
+    assert out.stdout and out.stderr == "", out.stderr
+
+
 # ---- cpuservice-run ----
 
 @pytest.mark.parametrize("argv,ours,passthrough,command", [
