@@ -107,7 +107,7 @@ class Free:
         elif avoid == Exclusive.PCPU and self.used_cores:
             core_of = self.core_of
             free = {c for c in free if core_of[c] not in self.used_cores}
-        if self.opts.policy == Policy.FULL_PCPUS:  # within: a cell, where whole cores lie
+        if self.opts.policy == Policy.FULL_PCPUS:  # in a cell, its cores lie whole (nested)
             core_of, size = self.core_of, self.topology.core_size
             counts: dict[int, int] = {}
             for c in free:
