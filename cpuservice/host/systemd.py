@@ -37,10 +37,19 @@ def as_dbus(props: Props) -> list[list[Any]]:
     return [[name, Variant(sig, value)] for name, (sig, value) in props.items()]
 
 
-# How long a job (start, stop) is waited for: longer than systemd's DefaultTimeoutStopSec (90 s),
-# after which systemd kills what ignored SIGTERM, so that stopping a slice whose process ignores
-# SIGTERM (a container's PID 1 does) ends as a stop, not as our timeout (seen in the lab).
+# How long a job (start, stop) is waited for: longer than systemd's DefaultTimeoutStopSec (90 s
+# unless configured), after which systemd kills what ignored SIGTERM, so that stopping a slice
+# whose process ignores SIGTERM (a container's PID 1 does) ends as a stop, not as our timeout
+# (seen in the lab). setup() reads the manager's own value: that plus JOB_MARGIN, at least
+# JOB_SECONDS, at most JOB_SECONDS_MAX (a configured infinity must not hold a caller forever).
 JOB_SECONDS = 120
+JOB_MARGIN = 30
+JOB_SECONDS_MAX = 900
+
+
+def job_wait(default_stop_usec: int) -> float:
+    """The job wait for a manager whose DefaultTimeoutStopUSec is ``default_stop_usec``."""
+    return float(min(max(JOB_SECONDS, default_stop_usec / 1e6 + JOB_MARGIN), JOB_SECONDS_MAX))
 
 
 class Systemd:
@@ -57,6 +66,7 @@ class Systemd:
         # administrator may now mask a runtime property cpuservice set (see daemon.serve)
         self.on_reloaded: Callable[[], None] = lambda: None
         self.owner = dbuscall.NameOwner(bus, DEST)
+        self.job_seconds: float = JOB_SECONDS
 
     async def setup(self) -> None:
         """Subscribe to systemd's signals (before any job is started). Only signals from the
@@ -67,6 +77,12 @@ class Systemd:
             await self._bus_call("AddMatch", f"type='signal',sender='{DEST}',path='{PATH}',"
                                  f"interface='{MANAGER}',member='{member}'")
         await self.call("Subscribe")
+        try:
+            (value,) = await self.call("Get", "ss", [MANAGER, "DefaultTimeoutStopUSec"],
+                                       interface=PROPERTIES)
+            self.job_seconds = job_wait(int(value.value))
+        except (SystemdFailure, TypeError, ValueError, AttributeError):
+            pass  # an older or partial manager: the default wait
 
     async def watch_unit(self, unit_path: str) -> None:
         """Deliver ActiveState changes of one unit to on_unit_state."""
@@ -127,10 +143,11 @@ class Systemd:
             future = asyncio.get_running_loop().create_future()
             self._waiting[job] = future
             try:
-                result = await asyncio.wait_for(future, JOB_SECONDS)
+                result = await asyncio.wait_for(future, self.job_seconds)
             except TimeoutError:
                 raise SystemdFailure(
-                    f"systemd job {member} {body[0]} did not finish within {JOB_SECONDS} s "
+                    f"systemd job {member} {body[0]} did not finish within "
+                    f"{self.job_seconds:g} s "
                     f"(systemctl list-jobs shows it; it goes on in systemd)") from None
             finally:
                 self._waiting.pop(job, None)
