@@ -27,8 +27,10 @@ RESYNC = 60.0  # seconds after which an object is printed whether or not anythin
 
 
 class Pacer:
-    """When --watch prints: at once, then after a change but not sooner than ``min_interval``
-    after the last print, and ``resync`` after the last print in any case. ``clock`` is
+    """When --watch fetches and prints: at once, then after a change (a signal of the service)
+    but not sooner than ``min_interval`` after the last fetch, and ``resync`` after the last
+    print in any case. A fetch after a signal prints only an object that differs from the last
+    one printed (a signal need not be a change); the resync prints it regardless. ``clock`` is
     monotonic seconds (injected: the tests drive it)."""
 
     def __init__(self, clock: Callable[[], float], min_interval: float = MIN_INTERVAL,
@@ -36,31 +38,50 @@ class Pacer:
         self.clock = clock
         self.min_interval = min_interval
         self.resync = resync
-        self.last: float | None = None
+        self.last: float | None = None  # the last fetch
+        self.last_shown: float | None = None  # the last print
         self.dirty = False
+        self.shown: object = None  # the last object printed
+
+    def resync_due(self) -> bool:
+        """The minute is over (or nothing was printed yet): print even what did not change."""
+        return self.last_shown is None or self.clock() - self.last_shown >= self.resync
 
     def changed(self) -> None:
         """Something was committed (a signal of the service arrived)."""
         self.dirty = True
 
     def due(self) -> bool:
-        if self.last is None:
+        if self.last is None or self.resync_due():
             return True
-        since = self.clock() - self.last
-        return since >= self.resync or (self.dirty and since >= self.min_interval)
+        return self.dirty and self.clock() - self.last >= self.min_interval
 
     def printed(self) -> None:
-        """An object is about to be fetched and printed: changes after this need another."""
+        """An object is about to be fetched: changes after this need another fetch."""
         self.last = self.clock()
         self.dirty = False
 
+    def show(self, obj: object, forced: bool) -> bool:
+        """Whether to print ``obj`` (fetched; ``forced``: the resync); remembers it if so."""
+        if not forced and obj == self.shown:
+            return False
+        self.shown, self.last_shown = obj, self.clock()
+        return True
+
+    def failed(self) -> None:
+        """The fetch failed (the daemon is away): try again at the next signal, or after the
+        resync interval, not at once."""
+        self.last_shown = self.clock()
+
     def wait(self) -> float:
         """Seconds until due() may turn true without another change (0: due now)."""
-        if self.last is None:
+        if self.last is None or self.last_shown is None:
             return 0.0
-        since = self.clock() - self.last
-        until = self.min_interval if self.dirty else self.resync
-        return max(0.0, until - since)
+        now = self.clock()
+        until = self.last_shown + self.resync
+        if self.dirty:
+            until = min(until, self.last + self.min_interval)
+        return max(0.0, until - now)
 
 
 def yaml(value: Any, indent: int = 0) -> str:
@@ -171,16 +192,19 @@ async def follow(pacer: Pacer, fetch: Callable[[], Awaitable[Any]],
     while rounds is None or rounds > 0:
         rounds = None if rounds is None else rounds - 1
         if pacer.due():
+            forced = pacer.resync_due()
             pacer.printed()
             try:
                 obj = await fetch()
             except dbuscall.CallError as exc:
                 if not exc.name.startswith(NOT_RUNNING):
                     raise
+                pacer.failed()
                 if failing != exc.name:
                     print(f"cpuservicectl: {explain(exc, False)}; retrying", file=sys.stderr)
                 failing = exc.name
             else:
                 failing = ""
-                emit(obj)
+                if pacer.show(obj, forced):
+                    emit(obj)
         await sleep(pacer.wait())
