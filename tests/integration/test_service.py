@@ -14,6 +14,7 @@ from cpuservice.host import dbuscall
 from cpuservice.model.cpuset import CPUSet
 from tests.integration import client
 from tests.integration.service_env import DEST, ServiceHost, eventually
+from tests.unit.test_introspection import members
 
 NO_QUOTA = 2**64 - 1
 
@@ -440,24 +441,6 @@ def _body(sig: str, args: list[str]) -> list[object]:
     return out
 
 
-
-def _members(xml: str) -> dict[str, set[tuple[str, str, str]]]:
-    import xml.etree.ElementTree as ET
-
-    out: dict[str, set[tuple[str, str, str]]] = {}
-    for iface in ET.fromstring(xml).iter("interface"):
-        name = iface.get("name", "")
-        if not name.startswith("org.cpuservice1"):
-            continue
-        members = out.setdefault(name, set())
-        for kind in ("method", "signal", "property"):
-            for m in iface.iter(kind):
-                sig = m.get("type") or "".join(
-                    f"{a.get('direction', 'out')[0]}{a.get('type')}" for a in m.iter("arg"))
-                members.add((kind, m.get("name", ""), sig))
-    return out
-
-
 def test_shipped_introspection_matches_the_service(daemon: ServiceHost) -> None:
     from tests.envs.container import CHECKOUT
 
@@ -466,6 +449,6 @@ def test_shipped_introspection_matches_the_service(daemon: ServiceHost) -> None:
     for path in ("/org/cpuservice1", "/org/cpuservice1/allocation/x"):
         xml = daemon.c.run(["busctl", "call", DEST[0], path, "org.freedesktop.DBus.Introspectable",
                             "Introspect", "--json=short"]).stdout
-        live.update(_members(json.loads(xml)["data"][0]))
-    shipped = _members((CHECKOUT / "dbus/org.cpuservice1.xml").read_text())
+        live.update(members(json.loads(xml)["data"][0]))
+    shipped = members((CHECKOUT / "dbus/org.cpuservice1.xml").read_text())
     assert live == shipped
