@@ -30,6 +30,7 @@ states doing went through; undoing the adoption of a foreign unit is a restore.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -286,14 +287,18 @@ class Batching(Effector, Protocol):
 
 
 def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
-    """The operations as the effector runs them: one each, or consecutive batched SETs of
-    distinct units together."""
+    """The operations as the effector runs them: one each, consecutive batched SETs of distinct
+    units together (one call), and consecutive STARTs of distinct units together (issued at
+    once: new units wait for nobody, so none waits for another's job)."""
     out: list[list[Op]] = []
     batched = effector.batched if isinstance(effector, Batching) else lambda unit: False
 
     def joins(op: Op, group: list[Op]) -> bool:
-        return (op.kind is Kind.SET and batched(op.unit) and group[0].kind is Kind.SET
-                and batched(group[0].unit) and all(o.unit != op.unit for o in group))
+        if any(o.unit == op.unit for o in group) or op.kind is not group[0].kind:
+            return False
+        if op.kind is Kind.START:
+            return True
+        return op.kind is Kind.SET and batched(op.unit) and batched(group[0].unit)
 
     for op in ops:
         if out and joins(op, out[-1]):
@@ -344,11 +349,15 @@ async def execute(tx: Transaction, effector: Effector) -> None:
     for group in groups(tx.ops, effector):
         op = group[0]
         try:
-            if len(group) > 1 and isinstance(effector, Batching):
+            if len(group) > 1 and op.kind is Kind.START:
+                await _start_all(effector, group, done)
+            elif len(group) > 1 and isinstance(effector, Batching):
                 await effector.set_many({o.unit: o.props for o in group})
             else:
                 await run_op(effector, op)
         except Exception as exc:
+            if isinstance(exc, _StartFailed):
+                op, exc = exc.op, exc.cause
             log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
             # a batched write (the kernel's interrupts and workqueues) may have been done in
             # part: not clean, so that the caller makes the units match what it observes
@@ -362,4 +371,29 @@ async def execute(tx: Transaction, effector: Effector) -> None:
                     log.error("undo of '%s' failed: %s", earlier, again)
                     clean = False
             raise Failed(exc, op, clean) from exc
-        done.extend(group)
+        if not (len(group) > 1 and op.kind is Kind.START):
+            done.extend(group)
+
+
+class _StartFailed(Exception):
+    def __init__(self, op: Op, cause: Exception) -> None:
+        super().__init__(str(cause))
+        self.op, self.cause = op, cause
+
+
+async def _start_all(effector: Effector, group: Sequence[Op], done: list[Op]) -> None:
+    """Start the units of ``group`` at once (none waits for another's job); the ones that
+    started join ``done``, in the group's order, whatever happens to the others. The first
+    failure is raised as _StartFailed; a crash (a BaseException) as it is, undoing nothing."""
+    results = await asyncio.gather(*(run_op(effector, o) for o in group),
+                                   return_exceptions=True)
+    failed: _StartFailed | None = None
+    for o, result in zip(group, results, strict=True):
+        if result is None:
+            done.append(o)
+        elif not isinstance(result, Exception):
+            raise result
+        elif failed is None:
+            failed = _StartFailed(o, result)
+    if failed is not None:
+        raise failed

@@ -228,7 +228,7 @@ class Engine:
         asked for it, if one did."""
         extra = dict(note.extra)
         caller = journal.CALLER.get()
-        if caller is not None:
+        if caller is not None and "caller_uid" not in extra:
             extra["caller_uid"] = str(caller)
         state, topology = (old, old_topology) if note.before else (self.state, self.topology)
         self.audit.send(journal.event(note.kind, topology, state, note.name, note.reason,

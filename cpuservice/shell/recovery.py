@@ -24,6 +24,7 @@ from cpuservice.host.checkpoint import (
     fsync_dir,
 )
 from cpuservice.host.irqs import KERNEL_HOLDERS
+from cpuservice.host.sysfs import discover, refresh
 from cpuservice.model.errors import CPUServiceError
 from cpuservice.model.pools import Allocation, InvariantError, Ledger, check_invariants
 from cpuservice.model.topology import Topology
@@ -237,3 +238,48 @@ def without(state: State, names: list[str]) -> State:
         ledger = ledger.without(name)
         records.pop(name, None)
     return State(ledger, records)
+
+
+async def revalidate(engine: Engine, full: bool, began: float) -> None:
+    """Under the lock: re-read the topology and repair (the same repair runs at startup).
+    ``full`` also re-checks every unit against systemd; CPU hotplug applies just the
+    differences. A failure is rolled back, counted and raised."""
+    try:
+        await _revalidate(engine, full, began)
+    except Exception:  # systemd, the checkpoint or sysfs: rolled back, counted, raised
+        engine.counters.repair_failed("revalidate" if full else "hotplug")
+        raise
+
+
+async def _revalidate(engine: Engine, full: bool, began: float) -> None:
+    old_topology = engine.topology
+    if full:
+        topology = discover(engine.config.sysfs_root, previous=old_topology)
+    else:
+        topology = refresh(engine.config.sysfs_root, old_topology)
+    state = before = engine.state
+    await engine.check_partitions("hotplug")  # what the event did to partitions
+    gone: list[str] = []
+    if full:  # a foreign unit that vanished: nothing to apply to, nothing to restore
+        gone = await vanished(engine.systemd, state)
+        state = without(state, gone)
+    ledger, changes = repair(topology, state.ledger)
+    reasons = {c.name: c.reason for c in changes}
+    if topology == old_topology and not reasons and not full:
+        return
+    # Not a caller's request: systemd first, then the checkpoint, which a restart would
+    # repair the same way from the old one.
+    dropped = [journal.event(journal.Kind.RELEASED, old_topology, before, name,
+                             "its unit is gone") for name in gone]
+    notes = tuple(Note(journal.Kind.REPAIRED, c.name, c.reason, {
+        "lost": c.lost.format(), "gained": c.gained.format()}) for c in changes)
+    await engine.apply(Change(
+        State(ledger, state.records), None, reasons,
+        durability=Durability.FIRST if full else Durability.AFTER,
+        basis=Basis.OBSERVED if full else Basis.RECORDED, topology=topology,
+        steps=forget(before, gone), notes=notes, events=tuple(dropped)))
+    seconds = time.monotonic() - began
+    engine.counters.repair("revalidate" if full else "hotplug", seconds, len(changes))
+    log.info("%s: online %s; %d allocation(s) repaired (%.0f ms)",
+             "revalidate" if full else "CPU hotplug", topology.online, len(changes),
+             seconds * 1000)

@@ -24,10 +24,8 @@ from cpuservice.apply.targets import own_slice, partition_of, partition_of_reque
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.journal import Kind
-from cpuservice.host.sysfs import discover, refresh
 from cpuservice.model import limits, nrt
 from cpuservice.model.errors import (
-    AllocationExists,
     CheckpointWriteError,
     CPUServiceError,
     InvalidArgument,
@@ -39,12 +37,12 @@ from cpuservice.model.props import Props
 from cpuservice.model.request import Request, parse_amount, validate_name
 from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement
-from cpuservice.placement.repair import repair
 from cpuservice.shell import recovery
+from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.partition_watch import PartitionHealer
-from cpuservice.shell.ports import UNIT_IFACE, Events, cgroup_iface
+from cpuservice.shell.ports import Events
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +64,7 @@ class Service:
         self._next_serial = itertools.count(1)
         self._partition_watch: asyncio.Task[None] | None = None
         self.healer = PartitionHealer(engine)
+        self.admission = Admission(engine, self._follow)
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)
@@ -202,52 +201,23 @@ class Service:
         self, name: str, cpus: str, options: Mapping[str, Any], owner: int,
         limited: bool = False,
     ) -> Allocation:
-        """``limited``: the owner is an unprivileged user, held to the per-user limits."""
+        """``limited``: the owner is an unprivileged user, held to the per-user limits.
+        Requests that arrive while a change is in flight are committed together (see
+        cpuservice.shell.admission); the answer is the one serial processing would give."""
         validate_name(name)
         units.check_unit_names(name)
         request = self.request(cpus, options)
-        async with self.lock:
-            if name in self.ledger.allocations:
-                raise AllocationExists(f"allocation {name!r} already exists")
-            unit, saved, fresh = await self._target_unit(name, request)
-            ledger, allocation = placement.allocate(self.topology, self.ledger, name, request)
-            if limited:
-                self.check_limits(owner, name, ledger)
-            record = Record(owner, unit, saved, fresh=fresh)
-            await self.engine.apply(Change(State(ledger, {**self.state.records, name: record}),
-                                           frozenset({name}),
-                                           notes=(Note(Kind.ALLOCATED, name),)))
-            self._serials[name] = next(self._next_serial)
-            if request.options.lifetime == "unit":
-                self.lifetime.track(name)
-                if not own_slice(record):
-                    await self.lifetime.watch(name, unit)
-            return allocation
+        return await self.admission.submit(Ask(name, owner, request, limited,
+                                               journal.CALLER.get()))
 
-    async def _target_unit(self, name: str, request: Request
-                           ) -> tuple[str, Props, tuple[str, ...]]:
-        """The unit an allocation applies to; for a foreign unit also its current values and
-        the properties it has no runtime override for (see Record.fresh)."""
-        unit = request.options.unit
-        if unit is None:
-            return units.slice_name(name, request.options.bind,
-                                    partition_of_request(request)), {}, ()
-        for other, rec in self.state.records.items():
-            if rec.unit == unit:
-                raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")
-        if unit.startswith("cpuservice"):
-            raise InvalidArgument(f"unit {unit!r} belongs to cpuservice itself")
-        if unit in units.CONFINED:
-            raise InvalidArgument(f"unit {unit!r} holds the shared pool (confine_host) and "
-                                  "cannot carry an allocation")
-        current = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
-        if not current:
-            raise InvalidArgument(f"unit {unit!r} is not loaded")
-        info = await self.systemd.get(unit, UNIT_IFACE, ["DropInPaths", "LoadState"])
-        if info.get("LoadState", "loaded") != "loaded":
-            raise InvalidArgument(f"unit {unit!r} is {info['LoadState']}")
-        fresh = units.fresh_props(unit, info.get("DropInPaths", []))
-        return unit, units.saved_props(current, units.CPU_PROPERTIES), fresh
+    async def _follow(self, name: str, allocation: Allocation) -> None:
+        """After an Allocate is committed: its identity, and its unit followed."""
+        self._serials[name] = next(self._next_serial)
+        if allocation.request.options.lifetime == "unit":
+            self.lifetime.track(name)
+            record = self.record(name)
+            if not own_slice(record):
+                await self.lifetime.watch(name, record.unit)
 
     async def release(self, name: str, reason: str = "released",
                       serial: int | None = None) -> None:
@@ -356,43 +326,5 @@ class Service:
         """Re-read the topology and repair (the same repair runs at startup). ``full`` also
         re-checks every unit against systemd; CPU hotplug applies just the differences."""
         began = time.monotonic()
-        try:
-            await self._revalidate(full, began)
-        except Exception:  # systemd, the checkpoint or sysfs: rolled back, counted, raised
-            self.engine.counters.repair_failed("revalidate" if full else "hotplug")
-            raise
-
-    async def _revalidate(self, full: bool, began: float) -> None:
         async with self.lock:
-            old_topology = self.topology
-            if full:
-                topology = discover(self.config.sysfs_root, previous=old_topology)
-            else:
-                topology = refresh(self.config.sysfs_root, old_topology)
-            state = before = self.state
-            await self.engine.check_partitions("hotplug")  # what the event did to partitions
-            gone: list[str] = []
-            if full:  # a foreign unit that vanished: nothing to apply to, nothing to restore
-                gone = await recovery.vanished(self.systemd, state)
-                state = recovery.without(state, gone)
-            ledger, changes = repair(topology, state.ledger)
-            reasons = {c.name: c.reason for c in changes}
-            if topology == old_topology and not reasons and not full:
-                return
-            # Not a caller's request: systemd first, then the checkpoint, which a restart
-            # would repair the same way from the old one.
-            dropped = [journal.event(Kind.RELEASED, old_topology, before, name,
-                                     "its unit is gone") for name in gone]
-            notes = tuple(Note(Kind.REPAIRED, c.name, c.reason, {
-                "lost": c.lost.format(), "gained": c.gained.format()}) for c in changes)
-            await self.engine.apply(Change(
-                State(ledger, state.records), None, reasons,
-                durability=Durability.FIRST if full else Durability.AFTER,
-                basis=Basis.OBSERVED if full else Basis.RECORDED, topology=topology,
-                steps=recovery.forget(before, gone), notes=notes, events=tuple(dropped)))
-            seconds = time.monotonic() - began
-            self.engine.counters.repair("revalidate" if full else "hotplug", seconds,
-                                        len(changes))
-            log.info("%s: online %s; %d allocation(s) repaired (%.0f ms)",
-                     "revalidate" if full else "CPU hotplug", topology.online, len(changes),
-                     seconds * 1000)
+            await recovery.revalidate(self.engine, full, began)
