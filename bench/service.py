@@ -7,13 +7,22 @@ Prints, last:
     systemd_shared_slice_set_us children=0 <float> children=3000 <float>
     idle_cpu_percent allocations=3000 <float> rss_mb <float>
     worst_call_ms cpus=1024 allocations=1000 <float> (<the slowest call>)
+    burst_allocate n=32 serial_s=<float> concurrent_s=<float> floor_ms=<float> ratio=<float> \
+systemd_concurrent_s=<float>
+    daemon_cpu_us_per_allocate allocations=0 <float> allocations=3000 <float> ratio <float>
 
 floor = StartTransientUnit of an equivalent slice (until its job is done) + one
 SetUnitProperties, measured by the same client on the same bus, interleaved with the Allocate
 calls. shared_update_ratio = bound Allocate latency with 1,000 unbound allocations present /
-with none; checkpoint_scale the same with 3,000. systemd_shared_slice_set_us: what systemd alone
-takes to set cpuservice-shared.slice's AllowedCPUs (to the value it has) with no unbound
+with none; checkpoint_scale the same with 3,000 (daemon_cpu_us_per_allocate: the daemon's own
+CPU time per bound Allocate, utime + stime over 3 x 120 of them, with none and with those
+3,000; the rest of checkpoint_scale is systemd's). systemd_shared_slice_set_us: what systemd
+alone takes to set cpuservice-shared.slice's AllowedCPUs (to the value it has) with no unbound
 allocation and with 3,000 of them below it (systemd walks the slice's subtree).
+burst_allocate: 32 bound 1-CPU Allocates issued one after another, then 32 issued at once (all
+answered), the median of 3 rounds each; ratio = concurrent_s / (32 x floor);
+systemd_concurrent_s: what systemd alone takes to start 32 such slices issued at once by one
+client (3 rounds), the part of a burst no daemon can avoid.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dbus_fast import Variant
@@ -43,6 +53,78 @@ async def _allocate_once(bus: MessageBus, name: str) -> float:
     elapsed = time.perf_counter() - start
     await client.call(bus, "Release", "s", [name])
     return elapsed
+
+
+async def burst(address: str, n: int = 32, rounds: int = 3) -> tuple[float, float]:
+    """Seconds for ``n`` bound Allocates one after another, and for ``n`` issued at once."""
+    bus = await client.connect(address)
+    bind = {"bind": Variant("b", True)}
+    serial, together = [], []
+
+    async def allocate(name: str) -> None:
+        await client.call(bus, "Allocate", "ssa{sv}", [name, "1", bind])
+
+    async def release(names: list[str]) -> None:
+        for name in names:
+            await client.call(bus, "Release", "s", [name])
+
+    try:
+        for r in range(rounds):
+            names = [f"serial{r}-{i}" for i in range(n)]
+            start = time.perf_counter()
+            for name in names:
+                await allocate(name)
+            serial.append(time.perf_counter() - start)
+            await release(names)
+            names = [f"burst{r}-{i}" for i in range(n)]
+            start = time.perf_counter()
+            await asyncio.gather(*(allocate(name) for name in names))
+            together.append(time.perf_counter() - start)
+            await release(names)
+    finally:
+        bus.disconnect()
+    return statistics.median(serial), statistics.median(together)
+
+
+async def systemd_burst(address: str, n: int = 32, rounds: int = 3) -> float:
+    """Seconds systemd takes to start ``n`` transient slices like the floor's, issued at once."""
+    bus = await client.connect(address)
+    systemd = Systemd(bus)
+    await systemd.setup()
+    props = {"AllowedCPUs": ("ay", b"\x01"), "CPUWeight": ("t", 100),
+             "Description": ("s", "floor")}
+    times = []
+    try:
+        for r in range(rounds):
+            units = [f"floor-burst{r}-{i}.slice" for i in range(n)]
+            start = time.perf_counter()
+            await asyncio.gather(*(systemd.start_transient(u, props) for u in units))
+            times.append(time.perf_counter() - start)
+            for unit in units:
+                await systemd.stop(unit)
+    finally:
+        bus.disconnect()
+    return statistics.median(times)
+
+
+async def daemon_cpu(address: str, cpu_seconds: Callable[[], float], n: int = 120,
+                     rounds: int = 3) -> float:
+    """The daemon's CPU time per bound Allocate (µs): ``rounds`` times ``n`` Allocates (their
+    Releases are not counted)."""
+    bus = await client.connect(address)
+    bind = {"bind": Variant("b", True)}
+    used = 0.0
+    try:
+        for _ in range(rounds):
+            before = cpu_seconds()
+            for i in range(n):
+                await client.call(bus, "Allocate", "ssa{sv}", [f"cpu{i}", "1", bind])
+            used += cpu_seconds() - before
+            for i in range(n):
+                await client.call(bus, "Release", "s", [f"cpu{i}"])
+    finally:
+        bus.disconnect()
+    return used / (n * rounds) * 1e6
 
 
 async def _floor_once(systemd: Systemd, i: int) -> float:
@@ -167,14 +249,18 @@ def main() -> int:
         address = container.bus_address
         asyncio.run(measure(address, 20, True))  # warm-up
         alloc_us, floor_us = asyncio.run(measure(address, ROUNDS, True))
+        serial_s, burst_s = asyncio.run(burst(address))
+        systemd_burst_s = asyncio.run(systemd_burst(address))
+        pid = int(daemon.show("cpuservice.service", "MainPID")["MainPID"])
+        proc = Path(f"/proc/{container.pid1}/root")
+        cpu_empty_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
         empty_set_us = asyncio.run(shared_slice_set(address))
         asyncio.run(populate(address, 0, 1000))
         crowded_us, _ = asyncio.run(measure(address, ROUNDS // 2, False))
         asyncio.run(populate(address, 1000, 3000))
         scale_us, _ = asyncio.run(measure(address, ROUNDS // 2, False))
+        cpu_full_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
         crowded_set_us = asyncio.run(shared_slice_set(address))
-        pid = int(daemon.show("cpuservice.service", "MainPID")["MainPID"])
-        proc = Path(f"/proc/{container.pid1}/root")
         time.sleep(2)
         before, t0 = _cpu_seconds(pid, proc), time.monotonic()
         time.sleep(10)
@@ -194,6 +280,11 @@ def main() -> int:
           f"children=3000 {crowded_set_us:.1f}")
     print(f"idle_cpu_percent allocations=3000 {idle:.2f} rss_mb {rss_kb / 1024:.1f}")
     print(f"worst_call_ms cpus=1024 allocations=1000 {worst_ms:.1f} ({worst_what})")
+    print(f"burst_allocate n=32 serial_s={serial_s:.3f} concurrent_s={burst_s:.3f} "
+          f"floor_ms={floor_us / 1000:.2f} ratio={burst_s / (32 * floor_us / 1e6):.2f} "
+          f"systemd_concurrent_s={systemd_burst_s:.3f}")
+    print(f"daemon_cpu_us_per_allocate allocations=0 {cpu_empty_us:.0f} allocations=3000 "
+          f"{cpu_full_us:.0f} ratio {cpu_full_us / cpu_empty_us:.2f}")
     return 0
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, field
 
 from cpuservice import placement
 from cpuservice.apply import partitions, units
@@ -43,12 +44,28 @@ def follows_shared(a: Allocation, own: bool) -> bool:
     return a.request.options.memory_nodes or not own
 
 
+Entry = tuple[Allocation, Record, CPUSet | None, UnitSpec]
+
+
+@dataclass
+class Memo:
+    """What Targets.restore() puts back: each name's entry (None: none) and follower flag as
+    they were at Targets.memo(), for the names changed since; ``cleared``: the cache was
+    emptied meanwhile (entries are memoized by identity: one missing is only computed again)."""
+
+    before: dict[str, tuple[Entry | None, bool]] = field(default_factory=dict)
+    cleared: bool = False
+
+
 class Targets:
     def __init__(self, confine_host: bool, kernel_holders: tuple[str, ...] = ()) -> None:
         self.shared_units = (units.SHARED, *(units.CONFINED if confine_host else ()),
                              *kernel_holders)
-        self._cache: dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]] = {}
+        self._cache: dict[str, Entry] = {}
         self._followers: set[str] = set()  # allocations whose unit follows the shared pool
+        # since the last memo(): each name's entry and follower flag before it first changed,
+        # so that restore() costs what the change touched, not what exists
+        self._undo: Memo = Memo()
         # systemd knows CPUSetPartition (>= 261): otherwise a partition recorded earlier (a
         # checkpoint from before a downgrade) is a plain slice: systemd would refuse the property
         self.partitions = True
@@ -57,6 +74,7 @@ class Targets:
         if known != self.partitions:
             self.partitions = known
             self._cache.clear()
+            self._undo.cleared = True
 
     def specs(self, topology: Topology, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
         """The shared pool's holders and the named allocations' units."""
@@ -86,12 +104,18 @@ class Targets:
             props = {**props, "Description": (
                 "s", units.describe(name, units.description_fields(a, record)))}
         spec = UnitSpec(props, own, {} if own else record.saved, () if own else record.fresh)
+        self._keep(name)
         self._cache[name] = (a, record, shared, spec)
         if follows:
             self._followers.add(name)
         else:
             self._followers.discard(name)
         return spec
+
+    def _keep(self, name: str) -> None:
+        """Before ``name``'s entry first changes after memo(): remember it."""
+        if name not in self._undo.before:
+            self._undo.before[name] = (self._cache.get(name), name in self._followers)
 
     def changed(self, old: State, new: State, touched: AbstractSet[str] | None) -> set[str]:
         """Allocations whose units may differ between two states (``touched``: the ones the
@@ -108,16 +132,28 @@ class Targets:
             names |= self._followers & new.ledger.allocations.keys()
         return names
 
-    def memo(self) -> tuple[dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]],
-                            set[str]]:
-        """What restore() puts back: the specs known and the followers, as they are now."""
-        return dict(self._cache), set(self._followers)
+    def memo(self) -> Memo:
+        """From now on, remember what restore() puts back (the specs known and the followers
+        as they are now)."""
+        self._undo = Memo()
+        return self._undo
 
-    def restore(self, memo: tuple[dict[str, tuple[Allocation, Record, CPUSet | None, UnitSpec]],
-                                  set[str]]) -> None:
-        """Back to memo(): a change systemd did not accept leaves nothing of itself here."""
-        self._cache, self._followers = dict(memo[0]), set(memo[1])
+    def restore(self, memo: Memo) -> None:
+        """Back to ``memo``: a change systemd did not accept leaves nothing of itself here."""
+        if memo.cleared:
+            self._cache.clear()
+        for name, (entry, follows) in memo.before.items():
+            if entry is None:
+                self._cache.pop(name, None)
+            else:
+                self._cache[name] = entry
+            if follows:
+                self._followers.add(name)
+            else:
+                self._followers.discard(name)
+        self._undo = Memo()
 
     def forget(self, name: str) -> None:
+        self._keep(name)
         self._cache.pop(name, None)
         self._followers.discard(name)

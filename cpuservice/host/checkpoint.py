@@ -130,27 +130,28 @@ class Store:
         granularity = state.ledger.granularity
         if touched is not None and self._journal_bytes is not None:
             names = {n for n in touched if n in allocations or n in self._rows}
-            rows = dict(self._rows)
-            for name in names:
-                if name in allocations:
-                    rows[name] = _dump(_row(name, allocations[name], records.get(name, Record())))
-                else:
-                    rows.pop(name, None)
-            if rows.keys() == allocations.keys():
+            put = {n: _dump(_row(n, allocations[n], records.get(n, Record())))
+                   for n in names if n in allocations}
+            gone = names - put.keys()
+            # the rows written before, with these changes, are every allocation (a count: the
+            # touched names are the ones that changed; a full comparison would cost what
+            # exists on every change)
+            if len(self._rows) + len(put.keys() - self._rows.keys()) - len(
+                    gone & self._rows.keys()) == len(allocations):
                 if not names and granularity == self._granularity:
                     return
                 if self._journal_bytes < max(self.JOURNAL_MIN_BYTES, self._snapshot_bytes):
-                    self._append(names, rows, granularity)
+                    self._append(put, gone, granularity)
                     return
-                self._snapshot(rows, granularity)
+                rows = {n: r for n, r in self._rows.items() if n not in gone}
+                self._snapshot({**rows, **put}, granularity)
                 return
         rows = {n: _dump(_row(n, a, records.get(n, Record()))) for n, a in allocations.items()}
         self._snapshot(rows, granularity)
 
-    def _append(self, names: set[str], rows: dict[str, str], granularity: int) -> None:
-        put = ",".join(rows[n] for n in sorted(names) if n in rows)
-        deleted = json.dumps(sorted(n for n in names if n not in rows))
-        body = (f'{{"put":[{put}],"del":{deleted},"granularity":{granularity},'
+    def _append(self, put: dict[str, str], gone: set[str], granularity: int) -> None:
+        body = (f'{{"put":[{",".join(put[n] for n in sorted(put))}],'
+                f'"del":{json.dumps(sorted(gone))},"granularity":{granularity},'
                 f'"generation":{self._generation}}}')
         line = f"{_checksum(body)} {body}\n".encode()
         len_before = self._journal_bytes
@@ -175,7 +176,10 @@ class Store:
             self.write_failures += 1
             raise CheckpointWriteError(self.write_error) from None
         self.write_error = None
-        self._rows, self._granularity = rows, granularity
+        for name in gone:
+            self._rows.pop(name, None)
+        self._rows.update(put)
+        self._granularity = granularity
         self._journal_bytes = len_before + len(line)
 
     def _snapshot(self, rows: dict[str, str], granularity: int) -> None:

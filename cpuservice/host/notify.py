@@ -32,7 +32,7 @@ def status_text(ledger: Ledger) -> str:
     bound = len(ledger.held)
     text = (f"{count} allocation{'' if count == 1 else 's'}, {bound} bound "
             f"CPU{'' if bound == 1 else 's'}, shared {ledger.shared.format() or '-'}")
-    degraded = sum(1 for a in ledger.allocations.values() if a.degraded)
+    degraded = sum(1 for a in ledger.bound.values() if a.degraded)  # only bound ones can be
     return f"{text}, {degraded} degraded" if degraded else text
 
 

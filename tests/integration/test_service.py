@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import re
+import subprocess
 from typing import Any
 
 import pytest
@@ -197,6 +198,64 @@ def test_fifty_concurrent_clients(daemon: ServiceHost) -> None:
 
     asyncio.run(everyone())
     _check_consistent(daemon)
+
+
+def test_a_burst_of_32_allocates_is_placed_applied_and_released(daemon: ServiceHost) -> None:
+    """32 bound Allocates sent at once (one group commit): every one answered with its own
+    CPUs, none double-booked, systemd holds what the daemon says; then 32 Releases at once."""
+    daemon.configure("c")
+
+    async def burst() -> list[Any]:
+        bus = await client.connect(daemon.c.bus_address)
+        try:
+            return await asyncio.gather(*(client.call(
+                bus, "Allocate", "ssa{sv}",
+                [f"burst{i}", ("1", "2", "1.5", "0.5")[i % 4],
+                 {"bind": client_variant("b", True)}]) for i in range(32)))
+        finally:
+            bus.disconnect()
+
+    answers = asyncio.run(burst())
+    assert [a[0] for a in answers] == [f"/org/cpuservice1/allocation/burst{i}" for i in range(32)]
+    assert len(allocations(daemon)) == 32
+    _check_consistent(daemon)
+
+    async def release_all() -> None:
+        bus = await client.connect(daemon.c.bus_address)
+        try:
+            await asyncio.gather(*(client.call(bus, "Release", "s", [f"burst{i}"])
+                                   for i in range(32)))
+        finally:
+            bus.disconnect()
+
+    asyncio.run(release_all())
+    assert allocations(daemon) == {}
+    assert daemon.prop("SharedCPUs") == daemon.prop("OnlineCPUs")
+
+
+def test_32_concurrent_cpuservice_runs(daemon: ServiceHost) -> None:
+    """32 cpuservice-run wrappers started together: while they run, each command is in its
+    own bound slice, no CPU is in two of them and systemd holds what the daemon says (this
+    container cannot enforce AllowedCPUs: the VM lab checks Cpus_allowed_list); every
+    allocation is gone after they end."""
+    daemon.configure("c")
+    go = daemon.c.root / "run/burst-go"
+    go.unlink(missing_ok=True)
+    script = ("for i in $(seq 0 31); do cpuservice-run --cpus 1 --bind --name run$i -- "
+              "sh -c 'cat /proc/self/cgroup; while [ ! -e /run/burst-go ]; do sleep 0.1; done'"
+              " > /run/run$i.out 2>&1 & done; wait")
+    runs = subprocess.Popen(["nsenter", "-t", str(daemon.c.pid1), "-a", "sh", "-c", script])
+    try:
+        eventually(lambda: len(allocations(daemon)) == 32, seconds=120)
+        _check_consistent(daemon)
+        for i in range(32):
+            eventually(lambda i=i: f"cpuservice-bound-run{i}.slice/" in (
+                daemon.c.root / f"run/run{i}.out").read_text())
+    finally:
+        go.touch()
+        runs.wait(120)
+    eventually(lambda: allocations(daemon) == {})
+    assert daemon.prop("SharedCPUs") == daemon.prop("OnlineCPUs")
 
 
 def _check_consistent(daemon: ServiceHost) -> None:
