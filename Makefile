@@ -59,7 +59,7 @@ test-lab-modern:
 	$(PY) $(PYTEST) tests/lab/test_lab_partitions.py -k "not debian12"
 
 bench-placement:
-	$(PY) bench/placement.py
+	PYTHONPATH=$(CURDIR) $(PY) bench/placement.py
 
 run:
 	bash scripts/run.sh

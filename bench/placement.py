@@ -6,6 +6,10 @@ Prints:
     placement_p50_us cpus=1024 <float>
     churn seed=<n> policy=<p> allocs=<n> success=<f> numa_avoidable_spans=<n> \
 smt_split_full_pcpus=<n> mean_fragmented_cores=<f> half_cores_while_whole_free=<n> median_us=<f>
+    churn seed=<n> policy=all ... median_us=<f> repack=off|on movable=0.3 repack_moves=<n> \
+fragmentation_refusals=<n> repack_median_us=<f> repack_worst_us=<f>
+    repack_worst_us cpus=1024 allocs=<n> requests=<n> repacked=<n> <float>
+    defragment cpus=1024 allocs=<n> moves=<n> whole_free_cores_before=<n> after=<n> us=<float>
     capacity_worst_us cpus=1024 <float>
     capacity_worst_us cpus=1024 isolated=8 <float>
     capacity_worst_us cpus=1024 isolated=64 <float>
@@ -25,9 +29,28 @@ full-pcpus and spread-pcpus requests mixed, requested occupancy kept between 60 
 - half_cores_while_whole_free: packed allocations that took a lone thread of a core beyond an
   odd remainder while whole free cores were available in the NUMA choice (a wholly free core
   in the nodes it landed in that it did not take);
-- median_us: the median time of one allocate.
+- median_us: the median time of one allocate (with re-packing: of the attempts that did not
+  re-pack, so that it compares with the line without).
 
-``bench/placement.py --seeds 1,2,3,4,5`` runs other seeds (default 1,2,3).
+The re-packing lines (issue 27) replay the same trace with a share (0.3) of the requests movable
+(chosen by their own seeded draw, movable=node or anywhere at even odds), once without and once
+with re-packing (cpuservice/placement/repack.py: when allocate refuses a request for
+fragmentation, the moves after which it fits), policy=all only, and add:
+
+- repack_moves: moves made (one allocation placed again);
+- fragmentation_refusals: refusals (after re-packing, when on) although the free CPUs would have
+  held the request by their number: repack.fragmented (free non-reserved CPUs within the shared
+  pool's budget, free isolated ones too, at least the whole CPUs requested);
+- repack_median_us, repack_worst_us: the time of the attempts that re-packed (allocate's refusal
+  and the re-pack; 0 without re-packing).
+
+numa_avoidable_spans and smt_split_full_pcpus count the requests' own CPUs as before; a moved
+allocation is checked to keep its quality (moves.problems) and the run stops if one does not.
+bench/repack.py adds the 1,024-CPU lines: the slowest repack of refused full-pcpus requests on a
+fragmented ledger of about 1,000 allocations, and one defragment of it.
+
+``bench/placement.py --seeds 1,2,3,4,5`` runs other seeds (default 1,2,3), ``--movable 0.3,1``
+other shares of movable requests (default 0.3).
 """
 
 from __future__ import annotations
@@ -41,14 +64,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from bench.repack import lines as repack_lines
 from cpuservice import placement
 from cpuservice.host.sysfs import discover
+from cpuservice.model import compat
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InsufficientCPUs
 from cpuservice.model.fixtures import MACHINES, Machine, write_sysfs
 from cpuservice.model.pools import Ledger, check_invariants
-from cpuservice.model.request import Request
+from cpuservice.model.request import Options, Request
 from cpuservice.model.topology import Topology
+from cpuservice.placement.moves import Move, problems
+from cpuservice.placement.repack import fragmented
+from cpuservice.placement.repack import repack as repacking
 
 SEED = 20261122
 POLICIES = ("packed", "full-pcpus", "spread-pcpus")
@@ -107,6 +135,7 @@ CHURN_MACHINE = Machine(2, 32, 2, nodes=4, l3_cores=8)  # fixture c: 2 x 32 core
 CHURN_OPS = 10_000
 CHURN_BAND = (0.60, 0.95)  # requested occupancy kept in this band
 CHURN_SEEDS = (1, 2, 3)
+MOVABLE_SHARE = 0.3
 CHURN_SIZES = {  # request sizes drawn per policy (full-pcpus: whole SMT-2 cores)
     "packed": (1, 1, 2, 2, 3, 4, 4, 5, 6, 8, 8, 12, 16),
     "full-pcpus": (2, 2, 4, 4, 6, 8, 8, 12, 16),
@@ -166,15 +195,49 @@ class Tally:
     half_cores: int = 0
     fragmented: list[int] = field(default_factory=list)
     times_us: list[float] = field(default_factory=list)
+    moves: int = 0
+    fragmentation_refusals: int = 0
+    repack_us: list[float] = field(default_factory=list)
 
-    def line(self, seed: int, policy: str) -> str:
+    def line(self, seed: int, policy: str, repack: Repack | None = None) -> str:
         success = self.successes / self.allocs if self.allocs else 1.0
         frag = statistics.fmean(self.fragmented) if self.fragmented else 0.0
         median = statistics.median(self.times_us) if self.times_us else 0.0
-        return (f"churn seed={seed} policy={policy} allocs={self.allocs} success={success:.3f} "
-                f"numa_avoidable_spans={self.spans} smt_split_full_pcpus={self.splits} "
-                f"mean_fragmented_cores={frag:.2f} half_cores_while_whole_free={self.half_cores} "
-                f"median_us={median:.1f}")
+        out = (f"churn seed={seed} policy={policy} allocs={self.allocs} success={success:.3f} "
+               f"numa_avoidable_spans={self.spans} smt_split_full_pcpus={self.splits} "
+               f"mean_fragmented_cores={frag:.2f} half_cores_while_whole_free={self.half_cores} "
+               f"median_us={median:.1f}")
+        if repack is None:
+            return out
+        times = self.repack_us or [0.0]
+        return (f"{out} repack={'on' if repack.on else 'off'} movable={repack.share} "
+                f"repack_moves={self.moves} "
+                f"fragmentation_refusals={self.fragmentation_refusals} "
+                f"repack_median_us={statistics.median(times):.1f} "
+                f"repack_worst_us={max(times):.1f}")
+
+
+@dataclass(frozen=True)
+class Repack:
+    """A churn with a ``share`` of the requests movable, re-packing ``on`` or off."""
+
+    share: float
+    on: bool
+
+
+def with_movable(ops: list[Op], share: float, seed: int) -> list[Op]:
+    """The same operations with ``share`` of the requests movable (node or anywhere), drawn
+    from their own generator so that the trace stays the one without."""
+    rng = random.Random(f"movable-{seed}")
+    out = []
+    for op in ops:
+        if op.request is not None and rng.random() < share:
+            where = rng.choice(("node", "anywhere"))
+            opts = op.request.options
+            op = Op(op.name, Request.build(op.request.cpus, compat.load(
+                Options, {**compat.dump(opts), "movable": where})))
+        out.append(op)
+    return out
 
 
 def _whole_free_cores(topology: Topology, free: CPUSet) -> dict[int, list[int]]:
@@ -232,10 +295,14 @@ def fragmented_cores(topology: Topology, ledger: Ledger) -> int:
     return sum(bool(t & free) and bool(t & held) for t in topology.cores.values())
 
 
-def churn(topology: Topology, seed: int, reserved: CPUSet) -> dict[str, Tally]:
+def churn(topology: Topology, seed: int, reserved: CPUSet, repack: Repack | None = None
+          ) -> dict[str, Tally]:
     """Replay one seed's trace through the engine; the figures per policy and for all."""
     ledger = Ledger(topology.online, reserved=reserved)
     warmup, trace = churn_trace(seed, len(ledger.allocatable))
+    if repack is not None:
+        warmup = with_movable(warmup, repack.share, seed)
+        trace = with_movable(trace, repack.share, seed)
     for op in warmup:
         assert op.request is not None
         with contextlib.suppress(InsufficientCPUs):
@@ -249,11 +316,19 @@ def churn(topology: Topology, seed: int, reserved: CPUSet) -> dict[str, Tally]:
         request = op.request
         mine = tallies[request.options.policy]
         start = time.perf_counter_ns()
+        moves: tuple[Move, ...] | None = None
         try:
             new, a = placement.allocate(topology, ledger, op.name, request)
         except InsufficientCPUs:
             new = None
+            if repack is not None and repack.on and fragmented(ledger, request):
+                found = repacking(topology, ledger, op.name, request)
+                if found is not None:
+                    new, a, moves = found
         elapsed = (time.perf_counter_ns() - start) / 1000
+        refused = new is None and repack is not None and fragmented(ledger, request)
+        for m in moves or ():
+            assert not problems(topology, m.old, m.new), (m, problems(topology, m.old, m.new))
         if new is not None:
             cpus = a.whole
             span = numa_avoidable_span(topology, ledger, request, cpus)
@@ -261,11 +336,13 @@ def churn(topology: Topology, seed: int, reserved: CPUSet) -> dict[str, Tally]:
             split = (len(_lone_cores(topology, cpus))
                      if request.options.policy == "full-pcpus" else 0)
             ledger = new
-        fragmented = fragmented_cores(topology, ledger)
+        frag_cores = fragmented_cores(topology, ledger)
         for t in (mine, tallies["all"]):
             t.allocs += 1
-            t.times_us.append(elapsed)
-            t.fragmented.append(fragmented)
+            (t.times_us if moves is None else t.repack_us).append(elapsed)
+            t.fragmented.append(frag_cores)
+            t.moves += len(moves or ())
+            t.fragmentation_refusals += refused
             if new is not None:
                 t.successes += 1
                 t.spans += span
@@ -337,8 +414,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default=",".join(map(str, CHURN_SEEDS)),
                         help="churn seeds, comma-separated (default: %(default)s)")
     parser.add_argument("--churn-only", action="store_true", help="only the churn lines")
+    parser.add_argument("--movable", default=str(MOVABLE_SHARE),
+                        help="shares of movable requests for the re-packing lines, "
+                             "comma-separated (default: %(default)s)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",") if s]
+    shares = [float(s) for s in args.movable.split(",") if s]
     epyc = _topology(CHURN_MACHINE)
     if not args.churn_only:
         t64 = _topology(Machine(2, 16, 2, nodes=2, l3_cores=8))
@@ -349,6 +430,15 @@ def main(argv: list[str] | None = None) -> int:
         tallies = churn(epyc, seed, epyc.cores[0])
         for policy, tally in tallies.items():
             print(tally.line(seed, policy), flush=True)
+    for share in shares:
+        for seed in seeds:
+            for on in (False, True):
+                mode = Repack(share, on)
+                print(churn(epyc, seed, epyc.cores[0], mode)["all"].line(seed, "all", mode),
+                      flush=True)
+    if not args.churn_only:
+        for line in repack_lines(t1024):
+            print(line, flush=True)
     if not args.churn_only:
         print(f"capacity_worst_us cpus=1024 {capacity_worst_us(t1024, 1000):.1f}", flush=True)
         print(f"capacity_worst_us cpus=1024 isolated=8 "

@@ -22,7 +22,7 @@ from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InvalidArgument
 from cpuservice.model.pools import Allocation, Fragment
 from cpuservice.model.props import Props
-from cpuservice.model.request import OPTIONS, OptionKind, Request, parse_options
+from cpuservice.model.request import OPTIONS, Movable, OptionKind, Request, parse_options
 from cpuservice.model.state import Record
 from cpuservice.placement import Placement
 
@@ -170,8 +170,9 @@ def describe(name: str, fields: Mapping[str, str]) -> str:
 
 
 # the options a Description always records, in this order, and those it records when set
-# (a partition, explicit CPUs), after the owner and the whole CPUs
-OPTIONAL = tuple(o for o in OPTIONS if o.key in ("partition", "cpuset"))
+# (a partition, explicit CPUs, movable: so that Descriptions written before they existed stay
+# the same), after the owner and the whole CPUs
+OPTIONAL = tuple(o for o in OPTIONS if o.key in ("partition", "cpuset", "movable"))
 DESCRIBED = tuple(o for o in OPTIONS if o.described and o not in OPTIONAL)
 
 
@@ -187,6 +188,8 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
         fields["partition"] = partition
     if a.request.cpuset is not None:
         fields["cpuset"] = a.request.cpuset.format()
+    if opts.movable != Movable.NO:
+        fields["movable"] = str(opts.movable)
     if a.fragment:
         fields["fragment"] = f"{a.fragment.cpu}:{a.fragment.pieces}"
     return fields

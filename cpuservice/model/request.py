@@ -56,6 +56,16 @@ class Lifetime(StrEnum):
     UNIT = "unit"
 
 
+class Movable(StrEnum):
+    """Whether a bound allocation may be moved to other CPUs to make room (option ``movable``):
+    not at all, within the NUMA nodes it holds CPUs of, or anywhere (its memory nodes follow its
+    CPUs). An allocation with explicit CPUs (``cpuset``) or a cpuset partition is never moved."""
+
+    NO = "no"
+    NODE = "node"
+    ANYWHERE = "anywhere"
+
+
 class Partition(StrEnum):
     """The cgroup cpuset partition an allocation asks for (option ``partition``)."""
 
@@ -82,6 +92,7 @@ class Options(compat.StrictModel):
     unit: Optional[StrictStr] = None  # noqa: UP045
     lifetime: Lifetime = Lifetime.PERSISTENT
     partition: Partition = Partition.NONE
+    movable: Movable = Movable.NO
 
 
 OPTION_KEYS = compat.field_aliases(Options)
@@ -124,6 +135,11 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "how long the allocation lives", Lifetime, shapes_placement=False),
     OptionSpec("partition", "partition", OptionKind.CHOICE,
                "cgroup cpuset partition for a bound allocation", Partition),
+    # where the allocation goes now does not depend on it (only whether later requests may
+    # move it), so Plan and Capacity do not take it
+    OptionSpec("movable", "movable", OptionKind.CHOICE,
+               "whether the allocation may be moved to make room", Movable,
+               shapes_placement=False),
     OptionSpec("cpuset", "cpuset", OptionKind.TEXT, "explicit CPUs (cpu list); implies --bind"),
     OptionSpec("unit", "unit", OptionKind.TEXT,
                "apply to this existing unit instead of a new slice", shapes_placement=False,
@@ -192,6 +208,10 @@ class Request:
     ) -> Request:
         amount = parse_amount(cpus)
         opts = parse_options(options or {}, defaults)
+        if "movable" not in (options or {}) and _unmovable(opts):
+            # a configured default that cannot apply (an unbound allocation, explicit CPUs, a
+            # partition) is "no", as a configured partition that cannot apply is "none"
+            opts = parse_options(options or {}, {**(defaults or {}), "movable": "no"})
         return cls.build(amount, opts)
 
     @classmethod
@@ -210,6 +230,22 @@ class Request:
                     f"option 'cpuset' {opts.cpuset!r} names {len(explicit)} CPUs but cpus is "
                     f"{amount}"
                 )
+        why = _unmovable(opts)
+        if why:
+            raise InvalidArgument(f"option 'movable' {str(opts.movable)!r}: {why}")
         if opts.unit is not None and not _UNIT.fullmatch(opts.unit):
             raise InvalidArgument(f"option 'unit' {opts.unit!r} is not a unit name")
         return cls(amount, opts, explicit)
+
+
+def _unmovable(opts: Options) -> str:
+    """Why an allocation of these options cannot be movable ("" when it can, or is not)."""
+    if opts.movable == Movable.NO:
+        return ""
+    if not opts.bind:
+        return "an unbound allocation holds no CPUs to move (it runs on the shared pool)"
+    if opts.cpuset is not None:
+        return "an allocation with explicit CPUs ('cpuset') is never moved"
+    if opts.partition != Partition.NONE:
+        return f"an allocation in a cpuset partition ({opts.partition}) is never moved"
+    return ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import cpuservice.placement.choose as choose
-from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import (
     InsufficientCPUs,
     InvalidArgument,
@@ -110,12 +110,14 @@ def _explicit(topology: Topology, ledger: Ledger, cpuset: CPUSet) -> CPUSet:
 
 
 def take_whole(
-    topology: Topology, ledger: Ledger, opts: Options, n: int, anchor: CPUSet
+    topology: Topology, ledger: Ledger, opts: Options, n: int, anchor: CPUSet,
+    hide: CPUSet = EMPTY,
 ) -> CPUSet:
-    """``n`` more whole CPUs for a bound allocation that already holds ``anchor``."""
+    """``n`` more whole CPUs for a bound allocation that already holds ``anchor``, none of
+    ``hide`` (free CPUs that must stay free, e.g. those a re-pack makes room with)."""
     if n <= 0:
         return CPUSet()
-    return CPUSet(choose.take_whole(Free(topology, ledger, opts, anchor), n, anchor))
+    return CPUSet(choose.take_whole(Free(topology, ledger, opts, anchor | hide), n, anchor))
 
 
 def take_fragment(

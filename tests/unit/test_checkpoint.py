@@ -33,6 +33,23 @@ def test_roundtrip(tmp_path: Path, machine) -> None:
     assert not list(tmp_path.glob(".*tmp"))
 
 
+def test_a_checkpoint_from_before_movable_loads_unmovable(tmp_path: Path, machine) -> None:
+    """Rows carry the options that differ from the defaults, so a checkpoint written before
+    option movable existed has no such key: its allocations load as movable=no, and a movable
+    one round-trips."""
+    t = machine("b")
+    ledger, _ = placement.allocate(t, ledger_for(t), "m", bind("2", movable="node"))
+    store = Store(tmp_path / "state.json")
+    store.save(State(ledger, {"m": Record(0, "cpuservice-bound-m.slice")}))
+    payload = store.load() or {}
+    assert payload["allocations"][0]["options"] == {"bind": True, "movable": "node"}
+    assert from_payload(payload, ledger_for(t)).ledger == ledger
+    old = {**payload, "allocations": [{**row, "options": {"bind": True}}
+                                      for row in payload["allocations"]]}
+    back = from_payload(old, ledger_for(t)).ledger.allocations["m"]
+    assert back.request.options.movable == "no" and back.whole == ledger.allocations["m"].whole
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "header", "empty", "version"])
 def test_damage_is_detected_and_set_aside(tmp_path: Path, machine, damage: str) -> None:
     store = Store(tmp_path / "state.json")

@@ -305,3 +305,21 @@ def test_a_description_short_of_its_cpus_is_degraded() -> None:
     unbound, _ = units.from_description({**fields, "bind": "false", "whole": "-",
                                          "partition": "none"}, "x")
     assert not unbound.degraded
+
+
+def test_a_description_records_movable_only_when_set() -> None:
+    """A Description names movable only when it is not "no", as partition and cpuset: the
+    Descriptions of allocations made before the option existed stay the same, and read back
+    as movable=no."""
+    from cpuservice.host.checkpoint import Record
+    from cpuservice.model.pools import Allocation
+    from cpuservice.model.request import Request
+
+    for movable in ("no", "node", "anywhere"):
+        a = Allocation("web", Request.parse("2", {"bind": True, "movable": movable}),
+                       CPUSet.parse("3-4"))
+        fields = units.description_fields(a, Record(0, "cpuservice-bound-web.slice"))
+        assert ("movable" in fields) == (movable != "no")
+        text = units.describe("web", fields)
+        back, _ = units.from_description(units.parse_description(text) or {}, "x")
+        assert back == a

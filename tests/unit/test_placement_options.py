@@ -15,11 +15,13 @@ from cpuservice.model.request import (
     OPTION_KEYS,
     Exclusive,
     Lifetime,
+    Movable,
     NumaAlignment,
     NumaStrategy,
     Options,
     Partition,
     Policy,
+    Request,
     parse_options,
 )
 from cpuservice.placement import repair
@@ -27,6 +29,7 @@ from cpuservice.placement import repair
 VOCABULARY: dict[str, type[StrEnum]] = {
     "policy": Policy, "exclusive": Exclusive, "numa-strategy": NumaStrategy,
     "numa-alignment": NumaAlignment, "lifetime": Lifetime, "partition": Partition,
+    "movable": Movable,
 }
 
 
@@ -37,6 +40,7 @@ def test_every_choice_option_has_its_enum() -> None:
     defaults = compat.dump(Options())
     assert defaults["partition"] == Partition.NONE == "none"
     assert defaults["policy"] == "packed" and defaults["lifetime"] == "persistent"
+    assert defaults["movable"] == Movable.NO == "no"
 
 
 @pytest.mark.parametrize("key", sorted(VOCABULARY))
@@ -64,3 +68,29 @@ def test_repair_uses_only_public_placement_functions() -> None:
              if isinstance(node, ast.ImportFrom) and node.module == "cpuservice.placement"
              for alias in node.names]
     assert names and not [n for n in names if n.startswith("_")]
+
+
+@pytest.mark.parametrize(("options", "why"), [
+    ({"movable": "node"}, "unbound allocation holds no CPUs"),
+    ({"movable": "anywhere", "bind": True, "cpuset": "0-1"}, "explicit CPUs"),
+    ({"movable": "node", "bind": True, "partition": "isolated"}, "cpuset partition"),
+])
+def test_movable_is_refused_where_nothing_could_be_moved(options: dict[str, object],
+                                                         why: str) -> None:
+    """An unbound allocation holds no CPUs, and explicit CPUs and partitions are never moved:
+    asking for movable there is an error rather than an option silently ignored."""
+    with pytest.raises(InvalidArgument, match=f"option 'movable' .*{why}"):
+        Request.parse("2", options)
+    assert Request.parse("2", {**options, "movable": "no"}).options.movable == Movable.NO
+
+
+def test_a_movable_default_that_cannot_apply_is_no() -> None:
+    """[defaults] movable = "node" makes bound allocations movable and leaves the others (an
+    unbound one, explicit CPUs, a partition) unmovable, as a default partition that cannot
+    apply is none; asked for explicitly on such a request, it is refused."""
+    defaults = {"movable": "node"}
+    assert Request.parse("2", {"bind": True}, defaults).options.movable == Movable.NODE
+    for options in ({}, {"bind": True, "cpuset": "0-1"}, {"bind": True, "partition": "root"}):
+        assert Request.parse("2", options, defaults).options.movable == Movable.NO
+    with pytest.raises(InvalidArgument, match="movable"):
+        Request.parse("2", {"movable": "node"}, {"bind": True, "partition": "root"})
