@@ -43,6 +43,7 @@ class Kind(StrEnum):
     ATTACHED = "attached"
     REPAIRED = "repaired"
     RESTORED = "restored"
+    MOVED = "moved"
 
 
 # One 128-bit id per kind, never to change (journalctl MESSAGE_ID=...); listed in cpuserviced(8).
@@ -53,6 +54,7 @@ MESSAGE_IDS: Mapping[Kind, str] = MappingProxyType({
     Kind.ATTACHED: "c86a141579014c81add76dc6cdfea14b",
     Kind.REPAIRED: "dcd00964a443408b9885251f81f2bf2c",
     Kind.RESTORED: "67893f84c0134d46aa3ce5b4b271542d",
+    Kind.MOVED: "1c704dcf36414be9b04ca45da7747761",
 })
 
 
@@ -91,6 +93,8 @@ class Event:
             text += f", by uid {details['CALLER_UID']}"
         if self.kind == Kind.ATTACHED:
             text += f", PIDs {details.get('PIDS', '')} in {details.get('SCOPE', '')}"
+        if self.kind == Kind.MOVED:
+            text += f", from CPUs {details.get('OLD', '')}"
         return f"{text} ({self.reason})" if self.reason else text
 
     def fields(self) -> dict[str, str]:

@@ -50,6 +50,7 @@ def allocation(topology: Topology, state: State, name: str,
         "Health": "degraded" if health else "ok", "HealthReason": health,
         "Aligned": not why, "AlignmentReason": "; ".join(why),
         "Lifetime": a.request.options.lifetime,
+        "Movable": str(a.request.options.movable),
         **partitions.views(wanted, partition),
     }
 

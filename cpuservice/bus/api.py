@@ -17,6 +17,7 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from cpuservice import __version__
 from cpuservice.apply import views
 from cpuservice.apply.units import NO_QUOTA
+from cpuservice.bus.callers import Callers
 from cpuservice.bus.objects import (
     ALLOCATION_SIGNATURES,
     BUS_NAME,
@@ -25,11 +26,9 @@ from cpuservice.bus.objects import (
     Bus,
     boundary,
     capture_sender,
-    current_call,
     path_of,
     plain_options,
 )
-from cpuservice.host import dbuscall, journal
 from cpuservice.host.authz import (
     ALLOCATE,
     MANAGE,
@@ -40,8 +39,6 @@ from cpuservice.host.authz import (
     may_move,
 )
 from cpuservice.model.errors import (
-    AccessDenied,
-    CPUServiceError,
     InvalidArgument,
     LimitExceeded,
     NoSuchAllocation,
@@ -52,7 +49,7 @@ __all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
 log = logging.getLogger(__name__)
 
 
-class Manager(ServiceInterface):
+class Manager(Callers, ServiceInterface):
     """org.cpuservice1.Manager; also the service's Events sink."""
 
     def __init__(self, service: Service, bus: MessageBus, authority: Authority) -> None:
@@ -62,7 +59,7 @@ class Manager(ServiceInterface):
         self.authority = authority
         self.objects: dict[str, Allocation] = {}
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self._uids: OrderedDict[str, int] = OrderedDict()
+        self._uids = OrderedDict()
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         service.subscribe(self)
 
@@ -77,62 +74,6 @@ class Manager(ServiceInterface):
         self.objects[name] = obj
         self.bus.export(path_of(name), obj)
         return obj
-
-    async def authorize(self, action: str) -> int:
-        """The caller's uid, once polkit allows ``action`` (uid 0 needs no asking)."""
-        uid = await self._caller_uid()
-        sender, interactive = current_call.get()
-        await self.authority.check(sender, uid, action, interactive)
-        journal.CALLER.set(uid)  # the audit trail names who asked (this call's task only)
-        return uid
-
-    async def authorize_for(self, name: str) -> tuple[int, int]:
-        """Work on an existing allocation: allocate for one's own, manage for anyone's.
-        Returns the caller's uid and the allocation's serial: the service acts only if the
-        name still means that allocation once it holds its lock."""
-        serial = self.service.serial(name)
-        owner = self.service.record(name).owner
-        uid = await self._caller_uid()
-        return await self.authorize(ALLOCATE if owner == uid else MANAGE), serial
-
-    async def count_change(self, uid: int) -> None:
-        """One more change by ``uid`` (RateLimit); LimitExceeded past the limit, unless the
-        caller is exempt (root, manage)."""
-        if uid == 0:
-            return
-        try:
-            self.rate.take(uid)
-        except BusyError as exc:
-            if not await self.exempt(uid):
-                raise LimitExceeded(str(exc)) from None
-
-    async def exempt(self, uid: int) -> bool:
-        """Whether the per-user limits spare this caller: root, or a holder of manage
-        (asked without interaction: a limit is no reason to prompt)."""
-        if uid == 0:
-            return True
-        try:
-            await self.authority.check(current_call.get()[0], uid, MANAGE, False)
-        except CPUServiceError:
-            return False
-        return True
-
-    async def _caller_uid(self) -> int:
-        """The caller's uid from the bus (unique names are never reused: cache them)."""
-        sender = current_call.get()[0]
-        if not sender:  # only a peer-to-peer connection has none: not the system bus's word
-            raise AccessDenied("a call that names no sender is not accepted")
-        if sender in self._uids:
-            return self._uids[sender]
-        try:
-            (uid,) = await dbuscall.call(self.bus, *dbuscall.BUS, "GetConnectionUnixUser", "s",
-                                         [sender])
-        except dbuscall.CallError:
-            raise AccessDenied("the caller's uid is unknown") from None
-        self._uids[sender] = int(uid)
-        while len(self._uids) > 4096:
-            self._uids.popitem(last=False)
-        return self._uids[sender]
 
     # ---- Events ----
 
@@ -156,6 +97,9 @@ class Manager(ServiceInterface):
         if changed:
             obj.emit_properties_changed(dict(changed))
         self.AllocationChanged(name, path_of(name), reason)
+
+    def allocation_moved(self, name: str, old: str, new: str) -> None:
+        self.AllocationMoved(name, path_of(name), old, new)
 
     def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
         self.PoolsChanged(shared, exclusive, fragment)
@@ -213,6 +157,20 @@ class Manager(ServiceInterface):
             cached = self._values[name] = (key, views.allocation(snap.topology, snap.state,
                                                                  name, key[2]))
         return cached[1]
+
+    @method()
+    @boundary
+    async def SetMovable(self, name: "s", movable: "s") -> None:
+        uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
+        await self.service.set_movable(name, movable, serial)
+
+    @method()
+    @boundary
+    async def Defragment(self, dry_run: "b") -> "a(sss)":
+        await self.authorize(MANAGE)
+        moves = await self.service.defragment(dry_run)
+        return [[m.name, m.old.held.format(), m.new.held.format()] for m in moves]
 
     @method()
     @boundary
@@ -378,3 +336,7 @@ class Manager(ServiceInterface):
     @signal()
     def AllocationChanged(self, name: str, path: str, reason: str) -> "sos":
         return [name, path, reason]
+
+    @signal()
+    def AllocationMoved(self, name: str, path: str, old: str, new: str) -> "soss":
+        return [name, path, old, new]

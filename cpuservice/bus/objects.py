@@ -126,7 +126,7 @@ def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
 ALLOCATION_SIGNATURES = {
     "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
     "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
-    "State": "s", "Lifetime": "s", "Partition": "s", "PartitionState": "s",
+    "State": "s", "Lifetime": "s", "Movable": "s", "Partition": "s", "PartitionState": "s",
     "Health": "s", "HealthReason": "s", "Aligned": "b", "AlignmentReason": "s",
 }
 
@@ -212,6 +212,10 @@ class Allocation(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def Lifetime(self) -> "s":
         return self.values()["Lifetime"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Movable(self) -> "s":
+        return self.values()["Movable"]
 
     @dbus_property(access=PropertyAccess.READ)
     def Partition(self) -> "s":

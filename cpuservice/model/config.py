@@ -57,6 +57,8 @@ class Config(compat.StrictModel):
     max_changes_per_user_per_minute: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=1_000_000) = 600
     metrics_file: StrictStr = "/var/lib/prometheus/node-exporter/cpuservice.prom"
+    max_moves_per_allocation_per_hour: conint(  # type: ignore[valid-type]
+        strict=True, ge=0, le=3600) = 4
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     def cpu_limit(self, online: int) -> Decimal | None:

@@ -24,12 +24,15 @@ from cpuservice import placement
 from cpuservice.apply.change import Change, Note
 from cpuservice.host.journal import Kind
 from cpuservice.model import limits
-from cpuservice.model.errors import AllocationExists, CPUServiceError
+from cpuservice.model.errors import AllocationExists, CPUServiceError, InsufficientCPUs
 from cpuservice.model.pools import Allocation
 from cpuservice.model.request import Request
 from cpuservice.model.state import Record, State
-from cpuservice.shell import foreign
+from cpuservice.placement import repack
+from cpuservice.placement.moves import Move
+from cpuservice.shell import foreign, moving, publish
 from cpuservice.shell.engine import Engine
+from cpuservice.shell.moving import MoveLog
 
 log = logging.getLogger(__name__)
 GROUP_MAX = 64  # requests placed and committed together, at most (unless more owners wait)
@@ -72,38 +75,63 @@ def take_group(waiting: list[Ask], limit: int = GROUP_MAX) -> list[Ask]:
     return group
 
 
-async def place(engine: Engine, state: State, ask: Ask) -> tuple[State, Allocation]:
-    """``state`` with ``ask`` placed in it (not committed), or its error raised."""
+async def place(engine: Engine, state: State, ask: Ask, moves: MoveLog | None = None,
+                pending: Sequence[str] = ()) -> tuple[State, Allocation, tuple[Move, ...]]:
+    """``state`` with ``ask`` placed in it (not committed), or its error raised. A request
+    refused only for fragmentation is placed after moving movable allocations (``moves``: how
+    often each may still move; ``pending``: names already moved by this group), when a small
+    set of moves makes room (placement.repack); those moves are returned."""
     name, request = ask.name, ask.request
     if name in state.ledger.allocations:
         raise AllocationExists(f"allocation {name!r} already exists")
     unit, saved, fresh = await foreign.target_unit(engine.systemd, name, request, state.records)
-    ledger, allocation = placement.allocate(engine.topology, state.ledger, name, request)
+    moved: tuple[Move, ...] = ()
+    try:
+        ledger, allocation = placement.allocate(engine.topology, state.ledger, name, request)
+    except InsufficientCPUs:
+        found = None if moves is None or not moves.limit else repack.repack(
+            engine.topology, state.ledger, name, request,
+            allowed=lambda n: moves.allowed(n, list(pending).count(n)))
+        if found is None:
+            raise
+        ledger, allocation, moved = found
     if ask.limited:
         limits.check(engine.config, state.records, ask.owner, name, ledger)
     record = Record(ask.owner, unit, saved, fresh=fresh)
-    return State(ledger, {**state.records, name: record}), allocation
+    return State(ledger, {**state.records, name: record}), allocation, moved
 
 
-async def commit(engine: Engine, asks: Sequence[Ask]) -> list[Outcome]:
+async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = None
+                 ) -> list[Outcome]:
     """Under the lock: place ``asks`` in order, each on the ledger the ones before it leave,
-    and commit those placed as one change; the outcome of each (a placement error is that
-    request's own). A failed commit is raised (and undone by the engine)."""
+    and commit those placed (and the moves that made room for them) as one change; the outcome
+    of each (a placement error is that request's own). A failed commit is raised (and undone
+    by the engine)."""
     state = engine.state
     outcomes: list[Outcome] = []
-    notes = []
+    notes: list[Note] = []
+    moved: dict[str, Move] = {}
+    pending: list[str] = []
     for ask in asks:
         try:
-            state, allocation = await place(engine, state, ask)
+            state, allocation, made = await place(engine, state, ask, moves, pending)
         except CPUServiceError as exc:
             outcomes.append((ask, exc))
             continue
         outcomes.append((ask, allocation))
         extra = {} if ask.caller is None else {"caller_uid": str(ask.caller)}
         notes.append(Note(Kind.ALLOCATED, ask.name, extra=extra))
+        notes.extend(moving.notes(made, f"to make room for {ask.name}"))
+        for move in made:  # moved twice in one group: from where it was to where it ends
+            moved[move.name] = Move(move.name, moved[move.name].old if move.name in moved
+                                    else move.old, move.new)
+            pending.append(move.name)
     names = frozenset(a.name for a, outcome in outcomes if isinstance(outcome, Allocation))
     if names:
-        await engine.apply(Change(state, names, notes=tuple(notes)))
+        await engine.apply(Change(state, names | moved.keys(),
+                                  dict.fromkeys(moved, publish.MOVED), notes=tuple(notes)))
+        if moves is not None:
+            moves.record(pending)
     return outcomes
 
 
@@ -116,6 +144,7 @@ class Admission:
                  limit: int = GROUP_MAX) -> None:
         self.engine = engine
         self.follow = follow
+        self.moves = MoveLog(engine.config.max_moves_per_allocation_per_hour)
         self.limit = limit
         self.waiting: list[Ask] = []
         self._drain: asyncio.Task[None] | None = None
@@ -160,7 +189,7 @@ class Admission:
                 self.order.extend(asks)
             if len(asks) > 1:
                 try:
-                    outcomes = await commit(self.engine, asks)
+                    outcomes = await commit(self.engine, asks, self.moves)
                 except CPUServiceError as exc:
                     log.warning("committing %d allocations together failed (%s); committing "
                                 "them one at a time", len(asks), exc)
@@ -170,7 +199,7 @@ class Admission:
                     return
             for ask in asks:
                 try:
-                    outcomes = await commit(self.engine, [ask])
+                    outcomes = await commit(self.engine, [ask], self.moves)
                 except CPUServiceError as exc:
                     outcomes = [(ask, exc)]
                 self.groups += 1

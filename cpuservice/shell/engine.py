@@ -27,6 +27,7 @@ from cpuservice.model.pools import Ledger, check_invariants
 from cpuservice.model.props import Props
 from cpuservice.model.state import State
 from cpuservice.model.topology import Topology
+from cpuservice.shell import publish
 from cpuservice.shell.ports import (
     UNIT_IFACE,
     Events,
@@ -190,7 +191,8 @@ class Engine:
         self.state = new
         before_partitions = dict(self.partition_states)
         await self.observe_partitions(changed)
-        self._publish(old, new, changed, change.reasons, old_topology, before_partitions)
+        publish.publish(self.events, self.targets.forget, (old, old_topology, before_partitions),
+                        (new, self.topology, self.partition_states), changed, change.reasons)
         for event in change.events:
             self.audit.send(event)
         for note in change.notes:
@@ -359,37 +361,6 @@ class Engine:
 
     def partition_report(self, name: str) -> partitions.State | None:
         return self.partition_states.get(name)
-
-    def _publish(self, old: State, new: State, changed: set[str], reasons: Mapping[str, str],
-                 old_topology: Topology,
-                 old_partitions: Mapping[str, partitions.State | None] | None = None) -> None:
-        """Events, with their values, for what changed. An unbound allocation's CPUSet is the
-        shared pool: it is announced once, by SharedCPUs and PoolsChanged, not per allocation."""
-        before, after = old.ledger.allocations, new.ledger.allocations
-        for name in sorted(changed | reasons.keys()):
-            if name not in after:
-                self.targets.forget(name)
-                self.events.allocation_removed(name)
-            elif name not in before:
-                self.events.allocation_added(name, views.allocation(
-                    self.topology, new, name, self.partition_report(name)))
-            elif before[name] is not after[name] or name in reasons or (
-                new.records.get(name) is not old.records.get(name)
-            ):
-                was_partition = (self.partition_states if old_partitions is None
-                                 else old_partitions).get(name)
-                diff = views.changed(views.allocation(old_topology, old, name, was_partition),
-                                     views.allocation(self.topology, new, name,
-                                                      self.partition_report(name)))
-                self.events.allocation_changed(name, reasons.get(name, "changed"), diff)
-        was, now = old.ledger, new.ledger
-        if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):
-            self.events.pools_changed(now.shared.format(), now.exclusive.format(),
-                                      now.fragment.format())
-        manager = views.changed(views.manager(was), views.manager(now))
-        invalidated = ["Topology"] if self.topology != old_topology else []
-        if manager or invalidated:
-            self.events.manager_changed(manager, invalidated)
 
 
 def _cause(exc: Exception) -> CPUServiceError:

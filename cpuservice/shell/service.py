@@ -24,7 +24,7 @@ from cpuservice.apply.targets import own_slice, partition_of, partition_of_reque
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.journal import Kind
-from cpuservice.model import limits, nrt
+from cpuservice.model import compat, limits, nrt
 from cpuservice.model.errors import (
     CheckpointWriteError,
     CPUServiceError,
@@ -34,10 +34,11 @@ from cpuservice.model.errors import (
 )
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.props import Props
-from cpuservice.model.request import Request, parse_amount, validate_name
+from cpuservice.model.request import Request, parse_amount, parse_options, validate_name
 from cpuservice.model.topology import Topology
-from cpuservice.placement import Placement
-from cpuservice.shell import recovery
+from cpuservice.placement import Placement, defrag
+from cpuservice.placement.moves import Move
+from cpuservice.shell import moving, publish, recovery
 from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
 from cpuservice.shell.lifetime import Lifetime
@@ -286,6 +287,38 @@ class Service:
                 {name: f"resized to {amount}"},
                 notes=(Note(Kind.RESIZED, name, f"from {old.request.cpus} CPUs"),)))
             return allocation
+
+    async def set_movable(self, name: str, movable: str, serial: int | None = None) -> None:
+        """Whether allocation ``name`` may be moved (option movable)."""
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            old = self.allocation(name)
+            opts = old.request.options
+            options = {**compat.dump(opts, exclude_defaults=True), "movable": movable}
+            request = Request.build(old.request.cpus, parse_options(options))
+            if request == old.request:
+                return
+            new = replace(old, request=request)
+            await self.engine.apply(Change(
+                State(self.ledger.with_allocation(new), self.state.records), frozenset({name}),
+                {name: f"movable {request.options.movable}"}))
+
+    async def defragment(self, dry_run: bool) -> tuple[Move, ...]:
+        """Move movable allocations so that free CPUs form wholly free cores (see
+        placement.defrag); ``dry_run``: only say which moves."""
+        log_ = self.admission.moves
+        async with self.lock:
+            ledger, moves = defrag.defragment(self.topology, self.ledger,
+                                              allowed=log_.allowed)
+            if dry_run or not moves:
+                return moves
+            await self.engine.apply(Change(
+                State(ledger, self.state.records), frozenset(m.name for m in moves),
+                dict.fromkeys((m.name for m in moves), publish.MOVED),
+                notes=moving.notes(moves, "defragment")))
+            log_.record(m.name for m in moves)
+            return moves
 
     async def attach(self, name: str, pids: Sequence[int], serial: int | None = None) -> str:
         """Move running processes into a new transient scope in the allocation's slice."""

@@ -72,6 +72,9 @@ class Recorder:
         self._announces("Allocation", changed, ("true", "false"))
         self.seen.append(("changed", (name, dict(changed))))
 
+    def allocation_moved(self, name: str, old: str, new: str) -> None:
+        self.seen.append(("moved", (name, old, new)))
+
     def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
         self.seen.append(("pools", shared))
 

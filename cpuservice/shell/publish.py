@@ -1,0 +1,50 @@
+"""What a committed change tells the bus: the events, with their values, for what changed. Pure
+apart from calling the sinks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from cpuservice.apply import partitions, views
+from cpuservice.model.state import State
+from cpuservice.model.topology import Topology
+from cpuservice.shell.ports import Events
+
+MOVED = "moved"  # the reason of an allocation a change moved to other CPUs (AllocationMoved)
+
+# a side of a change: the state, the topology, what the kernel reports of partitions
+Side = tuple[State, Topology, Mapping[str, partitions.State | None]]
+
+
+def publish(events: Events, forget: Callable[[str], None], before: Side, after: Side,
+            changed: set[str], reasons: Mapping[str, str]) -> None:
+    """Events for what changed between two sides of a change. An unbound allocation's CPUSet is
+    the shared pool: it is announced once, by SharedCPUs and PoolsChanged, not per
+    allocation. ``forget``: told each allocation that is gone."""
+    old, old_topology, old_reports = before
+    new, topology, reports = after
+    was_in, now_in = old.ledger.allocations, new.ledger.allocations
+    for name in sorted(changed | reasons.keys()):
+        if name not in now_in:
+            forget(name)
+            events.allocation_removed(name)
+        elif name not in was_in:
+            events.allocation_added(name, views.allocation(topology, new, name,
+                                                           reports.get(name)))
+        elif was_in[name] is not now_in[name] or name in reasons or (
+            new.records.get(name) is not old.records.get(name)
+        ):
+            diff = views.changed(views.allocation(old_topology, old, name, old_reports.get(name)),
+                                 views.allocation(topology, new, name, reports.get(name)))
+            reason = reasons.get(name, "changed")
+            if reason == MOVED and was_in[name].held != now_in[name].held:
+                events.allocation_moved(name, was_in[name].held.format(),
+                                        now_in[name].held.format())
+            events.allocation_changed(name, reason, diff)
+    was, now = old.ledger, new.ledger
+    if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):
+        events.pools_changed(now.shared.format(), now.exclusive.format(), now.fragment.format())
+    manager = views.changed(views.manager(was), views.manager(now))
+    invalidated = ["Topology"] if topology != old_topology else []
+    if manager or invalidated:
+        events.manager_changed(manager, invalidated)
