@@ -19,7 +19,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cpuservice import __version__
-from cpuservice.cli import ctl_export, topoview
+from cpuservice.cli import ctl_export, ctl_moves, topoview
 from cpuservice.cli.client import (
     ALLOCATION,
     DEST,
@@ -54,7 +54,7 @@ from cpuservice.cli.options import add_option_args, options_of
 from cpuservice.host import dbuscall
 from cpuservice.model.cpuset import CPUSet
 
-WRITES = ("allocate", "release", "resize", "revalidate")
+WRITES = ("allocate", "release", "resize", "revalidate", *ctl_moves.COMMANDS)
 PAGED = ("status", "list", "show", "plan", "topology")
 
 
@@ -124,6 +124,7 @@ def parser() -> argparse.ArgumentParser:
                       help="only NUMA node N (repeatable)")
     sub.add_parser("watch", help="follow the service's changes, one line per event")
     sub.add_parser("revalidate", help="re-read the topology now and repair")
+    ctl_moves.add_parsers(sub)
     ctl_export.add_parser(sub)
     return p
 
@@ -350,7 +351,9 @@ async def _revalidate(c: Client, args: argparse.Namespace) -> int:
 HANDLERS = {"status": _status, "list": _list, "show": _show, "plan": _plan,
             "capacity": _capacity, "topology": _topology, "watch": _watch,
             "allocate": _allocate, "resize": _resize, "release": _release,
-            "revalidate": _revalidate, "export": ctl_export.export}
+            "revalidate": _revalidate, "export": ctl_export.export,
+            "defrag": lambda c, a: ctl_moves.defrag(c, a, a.json_mode if _json(a) else None),
+            "movable": ctl_moves.movable}
 
 
 async def _run(args: argparse.Namespace) -> int:

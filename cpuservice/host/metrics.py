@@ -54,6 +54,7 @@ class Counters:
         self.repaired: dict[str, int] = {}
         self.durations: dict[str, Histogram] = {}
         self.repair_failures: dict[str, int] = {}
+        self.moves: dict[str, int] = {}  # allocations moved, by why (repack, defragment)
         self.listeners: list[Callable[[], None]] = []
 
     def _changed(self) -> None:
@@ -74,6 +75,12 @@ class Counters:
         self.durations.setdefault(trigger, Histogram()).observe(seconds)
         self._changed()
 
+
+    def moved(self, why: str, count: int) -> None:
+        """``count`` movable allocations were moved (``why``: repack, defragment)."""
+        if count:
+            self.moves[why] = self.moves.get(why, 0) + count
+            self._changed()
 
     def repair_failed(self, trigger: str) -> None:
         """A repair (``trigger``: hotplug, revalidate) failed: systemd or the checkpoint
@@ -160,6 +167,10 @@ def render(topology: Topology, state: State, counters: Counters, version: str,
                "Repairs that failed and were rolled back, by trigger.",
                [({"trigger": t}, counters.repair_failures.get(t, 0))  # 0 from the start:
                 for t in sorted({*REPAIRS, *counters.repair_failures})])  # increase() sees 1
+    out.family("cpuservice_moves_total", "counter",
+               "Movable allocations moved to other CPUs, by why (repack: to place a request "
+               "refused for fragmentation; defragment).",
+               [({"why": w}, counters.moves.get(w, 0)) for w in ("repack", "defragment")])
     out.family("cpuservice_checkpoint_write_failing", "gauge",
                "1 while the state cannot be written (every change is refused).",
                [({}, int(checkpoint[0]))])

@@ -132,6 +132,7 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
                                   dict.fromkeys(moved, publish.MOVED), notes=tuple(notes)))
         if moves is not None:
             moves.record(pending)
+        engine.counters.moved("repack", len(pending))
     return outcomes
 
 

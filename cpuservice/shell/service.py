@@ -318,6 +318,7 @@ class Service:
                 dict.fromkeys((m.name for m in moves), publish.MOVED),
                 notes=moving.notes(moves, "defragment")))
             log_.record(m.name for m in moves)
+            self.engine.counters.moved("defragment", len(moves))
             return moves
 
     async def attach(self, name: str, pids: Sequence[int], serial: int | None = None) -> str:

@@ -224,6 +224,7 @@ MAIN: dict[str, Scenario] = {
     "partition-refused": Scenario(f"{PARTITIONS} refused", 60, ("install",)),
     "agent": Scenario("bash /payload/tests/lab/scenarios/agent.sh", 480, ("install",)),
     "metrics": Scenario("python3 /payload/tests/lab/scenarios/metrics.py", 120, ("install",)),
+    "moves": Scenario("python3 /payload/tests/lab/scenarios/moves.py", 120, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.

@@ -97,6 +97,8 @@ def test_completion_is_valid_bash() -> None:
     ("cpuservicectl topology --", "--compact"),
     ("cpuservicectl export ", "nrt"),
     ("cpuservicectl export nrt --w", "--watch"),
+    ("cpuservicectl defrag --d", "--dry-run"),
+    ("cpuservicectl def", "defrag"),
     ("cpuservicectl show x -p Ali", "Aligned"),
     ("cpuservice-run --cpus 2 --numa-alignment ", "single-numa-node"),
     ("cpuservice-run --cpus 2 --sl", ""),  # refused options are not offered
