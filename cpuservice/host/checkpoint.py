@@ -170,7 +170,18 @@ class Store:
             finally:
                 os.close(fd)
             if len_before == 0:
-                fsync_dir(self.path.parent)
+                try:
+                    fsync_dir(self.path.parent)
+                except OSError:  # refused: the line must not be replayed at the next start
+                    self._journal_bytes = None
+                    with contextlib.suppress(OSError):
+                        fd = _open_private(self.journal, os.O_WRONLY)
+                        try:
+                            os.ftruncate(fd, len_before)
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                    raise
         except OSError as exc:
             self.write_error = f"cannot write {self.journal}: {exc.strerror}"
             self.write_failures += 1
@@ -205,6 +216,9 @@ class Store:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temp.unlink(missing_ok=True)
+            # what is on disk is no longer known to match the rows kept here: the next
+            # change writes a snapshot from the allocations themselves
+            self._journal_bytes = None
             self.write_error = f"cannot write {self.path}: {exc.strerror}"
             self.write_failures += 1
             raise CheckpointWriteError(self.write_error) from None

@@ -101,12 +101,13 @@ async def place(engine: Engine, state: State, ask: Ask, moves: MoveLog | None = 
     return State(ledger, {**state.records, name: record}), allocation, moved
 
 
-async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = None
-                 ) -> list[Outcome]:
+async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = None,
+                 fresh: Callable[[str], None] = lambda name: None) -> list[Outcome]:
     """Under the lock: place ``asks`` in order, each on the ledger the ones before it leave,
     and commit those placed (and the moves that made room for them) as one change; the outcome
     of each (a placement error is that request's own). A failed commit is raised (and undone
-    by the engine)."""
+    by the engine). ``fresh`` is told each new name just before the commit (whatever was known
+    of an earlier allocation of that name no longer holds)."""
     state = engine.state
     outcomes: list[Outcome] = []
     notes: list[Note] = []
@@ -115,7 +116,9 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
     for ask in asks:
         try:
             state, allocation, made = await place(engine, state, ask, moves, pending)
-        except CPUServiceError as exc:
+        except Exception as exc:  # that request's own (a bug too: the others go on)
+            if not isinstance(exc, CPUServiceError):
+                log.exception("placing allocation %s", ask.name)
             outcomes.append((ask, exc))
             continue
         outcomes.append((ask, allocation))
@@ -128,6 +131,8 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
             pending.append(move.name)
     names = frozenset(a.name for a, outcome in outcomes if isinstance(outcome, Allocation))
     if names:
+        for name in names:
+            fresh(name)
         await engine.apply(Change(state, names | moved.keys(),
                                   dict.fromkeys(moved, publish.MOVED), notes=tuple(notes)))
         if moves is not None:
@@ -138,13 +143,16 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
 
 class Admission:
     """The queue, and the one task that drains it a group at a time. ``follow`` runs for each
-    committed allocation before its caller is answered (the service's bookkeeping)."""
+    committed allocation before its caller is answered, ``fresh`` for each new name just
+    before its commit (the service's bookkeeping)."""
 
     def __init__(self, engine: Engine,
                  follow: Callable[[str, Allocation], Awaitable[None]],
-                 limit: int = GROUP_MAX) -> None:
+                 limit: int = GROUP_MAX,
+                 fresh: Callable[[str], None] = lambda name: None) -> None:
         self.engine = engine
         self.follow = follow
+        self.fresh = fresh
         self.moves = MoveLog(engine.config.max_moves_per_allocation_per_hour)
         self.limit = limit
         self.waiting: list[Ask] = []
@@ -190,7 +198,7 @@ class Admission:
                 self.order.extend(asks)
             if len(asks) > 1:
                 try:
-                    outcomes = await commit(self.engine, asks, self.moves)
+                    outcomes = await commit(self.engine, asks, self.moves, self.fresh)
                 except CPUServiceError as exc:
                     log.warning("committing %d allocations together failed (%s); committing "
                                 "them one at a time", len(asks), exc)
@@ -200,7 +208,7 @@ class Admission:
                     return
             for ask in asks:
                 try:
-                    outcomes = await commit(self.engine, [ask], self.moves)
+                    outcomes = await commit(self.engine, [ask], self.moves, self.fresh)
                 except CPUServiceError as exc:
                     outcomes = [(ask, exc)]
                 self.groups += 1

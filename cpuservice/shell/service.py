@@ -65,7 +65,10 @@ class Service:
         self._next_serial = itertools.count(1)
         self._partition_watch: asyncio.Task[None] | None = None
         self.healer = PartitionHealer(engine)
-        self.admission = Admission(engine, self._follow)
+        # an allocation's serial is made when somebody first asks for it (serial()), maybe
+        # while its change is being applied; one left from an earlier allocation of the
+        # same name goes when the new one is committed
+        self.admission = Admission(engine, self._follow, fresh=self._forget_serial)
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)
@@ -141,6 +144,9 @@ class Service:
         self.allocation(name)
         return self._serials.setdefault(name, next(self._next_serial))
 
+    def _forget_serial(self, name: str) -> None:
+        self._serials.pop(name, None)
+
     def _not_releasing(self, name: str) -> None:
         """Under the lock: refuse a call about an allocation whose slice is being stopped."""
         if name in self._releasing:
@@ -213,7 +219,7 @@ class Service:
 
     async def _follow(self, name: str, allocation: Allocation) -> None:
         """After an Allocate is committed: its identity, and its unit followed."""
-        self._serials[name] = next(self._next_serial)
+        self.serial(name)
         if allocation.request.options.lifetime == "unit":
             self.lifetime.track(name)
             record = self.record(name)

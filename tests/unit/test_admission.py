@@ -291,3 +291,41 @@ def test_a_group_answers_as_serial_processing_would(tmp_path_factory: Any,
         assert svc.ledger.allocations == serial.ledger.allocations
         agree(svc, together.fake)
     run(body)
+
+
+def test_a_serial_handed_out_while_its_group_commits_stays_valid(tmp_path: Path) -> None:
+    """A client sees b1 appear and calls Release(b1) while the group is still being applied
+    (the bus asks for the allocation's serial outside the lock): the release acts on b1 and is
+    not refused as if b1 had been allocated again (found by review)."""
+    async def body() -> None:
+        host = Host(tmp_path, "c")
+        svc = await host.service()
+        observe = svc.engine.observe_partitions
+        released: list[Any] = []
+
+        async def slow_observe(names: Any = None) -> set[str]:
+            out = await observe(names)
+            if "b1" in svc.ledger.allocations and not released:
+                serial = svc.serial("b1")
+
+                async def client_release() -> None:
+                    try:
+                        await svc.release("b1", serial=serial)
+                        released.append("ok")
+                    except Exception as exc:
+                        released.append(exc)
+                asyncio.get_running_loop().create_task(client_release())
+                await asyncio.sleep(0)  # a D-Bus round trip
+            return out
+
+        svc.engine.observe_partitions = slow_observe  # type: ignore[method-assign]
+        await asyncio.gather(*(svc.allocate(f"b{i}", "1", BIND, 0) for i in range(3)))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert released == ["ok"], released
+        # a name allocated again gets a new identity: the old serial no longer acts on it
+        old = svc.serial("b2")
+        await svc.release("b2")
+        await svc.allocate("b2", "1", BIND, 0)
+        assert svc.serial("b2") != old
+    run(body)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,56 @@ def test_a_crash_at_every_step_of_a_snapshot_loads_one_whole_state(tmp_path: Pat
         if not crashed_at or crashed_at[-1] != step:
             break
     assert len(crashed_at) >= 4  # write, fsync, rename, fsync of the directory at least
+
+
+def test_a_failed_snapshot_leaves_no_stale_row_behind(tmp_path: Path, machine,
+                                                      monkeypatch) -> None:
+    """A change's row is appended, then the write that takes it back (its rollback) fails as a
+    snapshot: the rows kept in memory no longer match the disk, so the next write is a snapshot
+    of the allocations themselves, never of those rows (review of issue 30: a refused resize
+    came back after a restart and double-booked a CPU)."""
+    import errno
+
+    from cpuservice.host import checkpoint
+
+    store = Store(tmp_path / "state.json")
+    state = _state(machine)
+    store.save(state)
+    ledger, _ = placement.resize(machine("b"), state.ledger, "a", Decimal("4"))
+    store.save(State(ledger, state.records), {"a"})  # the change (a resize), in the journal
+
+    def full(*args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    store.JOURNAL_MIN_BYTES = 0
+    store._snapshot_bytes = 0  # the rollback goes the snapshot way, and fails
+    monkeypatch.setattr(checkpoint.os, "replace", full)
+    with pytest.raises(checkpoint.CheckpointWriteError):
+        store.save(state, {"a"})
+    monkeypatch.undo()
+    other = _grow(machine, state, "k", "2")  # the resize never happened
+    store.save(other, {"k"})
+    back = _loaded(store, machine)
+    assert back.ledger.allocations == other.ledger.allocations
+
+
+def test_a_journal_line_whose_directory_sync_failed_is_not_replayed(
+        tmp_path: Path, machine, monkeypatch) -> None:
+    """The first line of a journal is written, but the directory cannot be synced: the change
+    is refused, so the line must not come back at the next start."""
+    import errno
+
+    from cpuservice.host import checkpoint
+
+    store = Store(tmp_path / "state.json")
+    state = _state(machine)
+    store.save(state)
+
+    def broken(path: Path) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoint, "fsync_dir", broken)
+    with pytest.raises(checkpoint.CheckpointWriteError):
+        store.save(_grow(machine, state, "j", "1"), {"j"})
+    monkeypatch.undo()
+    assert set(_loaded(Store(tmp_path / "state.json"), machine).ledger.allocations) == {"a", "u"}
