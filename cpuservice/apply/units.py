@@ -170,9 +170,10 @@ def describe(name: str, fields: Mapping[str, str]) -> str:
 
 
 # the options a Description always records, in this order, and those it records when set
-# (a partition, explicit CPUs, movable: so that Descriptions written before they existed stay
-# the same), after the owner and the whole CPUs
-OPTIONAL = tuple(o for o in OPTIONS if o.key in ("partition", "cpuset", "movable"))
+# (a partition, explicit CPUs, movable, lend, borrow: so that Descriptions written before they
+# existed stay the same), after the owner and the whole CPUs
+OPTIONAL = tuple(o for o in OPTIONS
+                 if o.key in ("partition", "cpuset", "movable", "lend", "borrow"))
 DESCRIBED = tuple(o for o in OPTIONS if o.described and o not in OPTIONAL)
 
 
@@ -190,6 +191,9 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
         fields["cpuset"] = a.request.cpuset.format()
     if opts.movable != Movable.NO:
         fields["movable"] = str(opts.movable)
+    for flag in ("lend", "borrow"):
+        if getattr(opts, flag):
+            fields[flag] = "true"
     if a.fragment:
         fields["fragment"] = f"{a.fragment.cpu}:{a.fragment.pieces}"
     return fields
@@ -202,7 +206,9 @@ def from_description(fields: Mapping[str, str], unit: str) -> tuple[Allocation, 
     options: dict[str, Any] = {}
     for spec in (*DESCRIBED, *OPTIONAL):
         if spec.kind is OptionKind.FLAG:
-            options[spec.key] = fields[spec.key] == "true"
+            # a flag that is recorded only when set is off where it is missing
+            options[spec.key] = (fields[spec.key] if spec in DESCRIBED
+                                 else fields.get(spec.key, "false")) == "true"
         elif spec.key in fields:
             options[spec.key] = fields[spec.key]
     request = Request.build(Decimal(fields["cpus"]), parse_options(options))
