@@ -20,6 +20,9 @@ Revalidate and hotplug repair. The ordering rule, stated once:
          Units that wait for each other (two that swap CPUs, a longer cycle) pass through the
          non-exclusive CPUs (the shared pool's): one of them moves there first (a partition
          stops being one before), the others follow, it goes last.
+    The one exception: a CPU its owner lends (cpuservice.model.lending) may be in the owner's
+    unit and the borrow slice at once; it is lent by growing the borrow slice (step 3) and
+    withdrawn by shrinking it (step 1), and nothing ever passes through it.
     An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
     a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
     Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
@@ -99,11 +102,8 @@ class Transaction:
 
 
 def _show(props: Props) -> str:
-    parts = []
-    for name, (sig, value) in props.items():
-        shown = CPUSet.from_mask(bytes(value)).format() if sig == "ay" else value
-        parts.append(f"{name}={shown}")
-    return " ".join(parts)
+    return " ".join(f"{name}={CPUSet.from_mask(bytes(value)).format() if sig == 'ay' else value}"
+                    for name, (sig, value) in props.items())
 
 
 def _mask(cpus: CPUSet) -> tuple[str, bytes]:
@@ -111,9 +111,7 @@ def _mask(cpus: CPUSet) -> tuple[str, bytes]:
 
 
 def _same(sig: str, a: Any, b: Any) -> bool:
-    if sig == "ay":
-        return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b))
-    return bool(a == b)
+    return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b)) if sig == "ay" else a == b
 
 
 def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
@@ -125,11 +123,14 @@ def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
+def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
+         lent: CPUSet = EMPTY) -> Transaction:
     """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
     that are whole CPUs of a bound allocation before or after (the ones the rule protects);
-    units are otherwise allowed to share CPUs (the shared pool, fragment CPUs)."""
+    units are otherwise allowed to share CPUs (the shared pool, fragment CPUs). ``lent``: those
+    lent (lending.shareable): the owner's unit and the borrow slice may hold them together."""
     ops: list[Op] = []
+    exclusive, unsafe = exclusive - lent, exclusive | lent
     holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
     # what each unit holds just before each step: an operation's undo writes back these values,
     # not the ones from before the whole change, so that undoing in reverse passes through the
@@ -176,7 +177,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     # CPUs any unit may hold for a moment (the shared pool's): of the units after the change,
     # so online ones (before a hotplug repair, units may name CPUs that went offline)
     mentioned = CPUSet.union_all(c for spec in after.values() if (c := spec.cpus) is not None)
-    parking = mentioned - exclusive
+    parking = mentioned - unsafe
     while pending:
         ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
         if not ready:

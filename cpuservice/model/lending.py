@@ -63,11 +63,13 @@ def lenders(state: State) -> list[str]:
 
 
 def lent_by(topology: Topology, state: State) -> dict[int, str]:
-    """Every CPU lent now -> the allocation that lends it."""
+    """Every CPU lent now -> the allocation that lends it (O(bound allocations), as the
+    ledger's own checks: a change costs what is bound, not every unbound allocation)."""
     out: dict[int, str] = {}
-    for name, record in state.records.items():
-        if record.lent:
-            out.update(dict.fromkeys(lent(topology, state, name), name))
+    for name, a in state.ledger.bound.items():
+        record = state.records.get(name)
+        if record is not None and record.lent and a.request.options.lend:
+            out.update(dict.fromkeys(record.lent & lendable(topology, a), name))
     return out
 
 

@@ -20,7 +20,7 @@ from cpuservice.apply import partitions, units
 from cpuservice.apply.change import Basis, Change, Durability, Note, effects
 from cpuservice.apply.reconcile import Kind as OpKind
 from cpuservice.apply.reconcile import Op
-from cpuservice.apply.targets import own_slice, partition_of, partition_of_request
+from cpuservice.apply.targets import own_slice, partition_of, partition_of_request, slice_of
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.journal import Kind
@@ -334,7 +334,7 @@ class Service:
             self._not_releasing(name)
             allocation = self.allocation(name)
             record = self.record(name)
-            own = units.slice_name(name, allocation.bound, partition_of(allocation))
+            own = slice_of(name, allocation.request)
             if record.unit != own:
                 raise InvalidArgument(
                     f"allocation {name!r} applies to unit {record.unit!r}: start processes there"
