@@ -38,9 +38,10 @@ from cpuservice.model.request import Request, parse_amount, parse_options, valid
 from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement, defrag
 from cpuservice.placement.moves import Move
-from cpuservice.shell import moving, publish, recovery
+from cpuservice.shell import lending, moving, publish, recovery
 from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
+from cpuservice.shell.lending import Lending
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.partition_watch import PartitionHealer
 from cpuservice.shell.ports import Events
@@ -69,6 +70,7 @@ class Service:
         # while its change is being applied; one left from an earlier allocation of the
         # same name goes when the new one is committed
         self.admission = Admission(engine, self._follow, fresh=self._forget_serial)
+        self.lending = Lending(engine, skip=self._releasing.__contains__)
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)
@@ -199,6 +201,7 @@ class Service:
                           for a in self.ledger.allocations.values())
         if (self.engine.capabilities.partitions or partitioned) and self._partition_watch is None:
             self._partition_watch = asyncio.create_task(self.healer.watch())
+        self.lending.ensure()
 
     async def heal_partitions(self) -> None:
         """See PartitionHealer.heal."""
@@ -218,8 +221,11 @@ class Service:
                                                journal.CALLER.get()))
 
     async def _follow(self, name: str, allocation: Allocation) -> None:
-        """After an Allocate is committed: its identity, and its unit followed."""
+        """After an Allocate is committed: its identity, its unit followed, its load too when
+        it lends."""
         self.serial(name)
+        if allocation.request.options.lend:
+            self.lending.ensure()
         if allocation.request.options.lifetime == "unit":
             self.lifetime.track(name)
             record = self.record(name)
@@ -309,6 +315,18 @@ class Service:
             await self.engine.apply(Change(
                 State(self.ledger.with_allocation(new), self.state.records), frozenset({name}),
                 {name: f"movable {request.options.movable}"}))
+
+    async def set_lending(self, name: str, lend: bool, serial: int | None = None) -> None:
+        """Whether allocation ``name`` lends its idle whole cores (option lend); off withdraws
+        what it lends now, in the same change."""
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            self.allocation(name)
+            change = lending.switched(self.topology, self.state, name, lend)
+            if change is not None:
+                await self.engine.apply(change)
+        self.lending.ensure()
 
     async def defragment(self, dry_run: bool) -> tuple[Move, ...]:
         """Move movable allocations so that free CPUs form wholly free cores (see

@@ -97,15 +97,27 @@ class Host:
         self.fake = FakeSystemd()
         self.kernel = FakeKernel(self.fake)
         self.foreign: set[str] = set()
+        # the lending controller's view of the kernel: each cgroup's usage_usec (the fake's
+        # ControlGroup is "/" + the unit), and its clock; tests call svc.lending.sample()
+        self.usage: dict[str, int] = {}
+        self.clock = 1000.0
 
     async def service(self) -> Service:
         svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file), self.kernel)
         svc.events = self.events = Recorder()
+        svc.lending.read_usage = self.usage.get
+        svc.lending.clock = lambda: self.clock
+        svc.lending.sleep = _never
         await svc.start()
         return svc
 
     def offline(self, cpus: set[int]) -> None:
         write_sysfs(self.root, replace(MACHINES[self.machine], offline=frozenset(cpus)))
+
+
+async def _never(seconds: float) -> None:
+    """The lending loop's sleep in these tests: it never wakes (they sample by hand)."""
+    await asyncio.Event().wait()
 
 
 def run(body: Callable[[], Awaitable[None]]) -> None:
