@@ -216,6 +216,9 @@ class Request:
         defaults: Mapping[str, Any] | None = None,
     ) -> Request:
         amount = parse_amount(cpus)
+        if (options or {}).get("lend") is True and "partition" not in (options or {}):
+            # asked to lend: a configured default partition, which would refuse it, yields
+            defaults = {**(defaults or {}), "partition": str(Partition.NONE)}
         opts = parse_options(options or {}, defaults)
         # a configured default that cannot apply (movable or lend for an unbound allocation,
         # borrow for a bound one, ...) is off, as a configured partition that cannot apply is

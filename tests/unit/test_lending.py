@@ -187,6 +187,11 @@ def test_a_default_that_cannot_apply_is_off() -> None:
     assert bound.lend and not bound.borrow
     with pytest.raises(InvalidArgument):  # asked for explicitly: refused
         Request.parse("1", {"lend": True}, defaults)
+    # a configured default partition yields to an explicit lend (and refuses only a default)
+    asked = Request.parse("2", {"bind": True, "lend": True}, {"partition": "root"}).options
+    assert asked.lend and asked.partition == "none"
+    assert not Request.parse("2", {"bind": True}, {"partition": "root", "lend": True}
+                             ).options.lend
 
 
 def test_old_checkpoints_and_descriptions_lend_nothing(tmp_path: Path) -> None:
