@@ -10,6 +10,8 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpuservice.apply import units
 from cpuservice.host.checkpoint import Store, from_payload
@@ -34,6 +36,7 @@ from cpuservice.model.lending import (
 from cpuservice.model.pools import Allocation, Fragment
 from cpuservice.model.request import Request
 from cpuservice.model.state import Record, State
+from tests.props import examples
 
 from .helpers import bind, ledger_for
 
@@ -242,3 +245,39 @@ def test_lending_configuration_is_bounded() -> None:
                 {"lend_idle_percent": 30, "lend_busy_percent": 25}):
         with pytest.raises(config.ConfigError, match=next(iter(bad))):
             config.validate(bad)
+
+
+@settings(max_examples=examples(200))
+@given(loads=st.lists(st.one_of(st.none(), st.floats(0, 400)), max_size=60),
+       idle_seconds=st.sampled_from([0.0, 0.1, 0.25, 2.0]))
+def test_the_controller_never_lends_a_busy_owner(loads: list[float | None],
+                                                  idle_seconds: float) -> None:
+    """On any load sequence: a lend only after lend_idle_seconds below the idle threshold, a
+    withdrawal only of lent cores and at once when a sample is above the busy one (or cannot
+    be read), and the lender's state is what its actions say."""
+    cfg = config.validate({"lend_idle_seconds": idle_seconds})
+    lender, now, idle_from = Lender(), 0.0, None
+    for load in loads:
+        now += 0.05
+        was = lender.lent
+        lender, action = step(lender, load, now, cfg)
+        busy = load is None or load > cfg.lend_busy_percent
+        idle_from = (idle_from if idle_from is not None else now) if (
+            load is not None and load < cfg.lend_idle_percent) else None
+        assert lender.lent == (action is Action.LEND or (was and action is Action.NONE))
+        if busy:
+            assert not lender.lent and (action is Action.WITHDRAW) == was
+        if action is Action.LEND:
+            assert not was and idle_from is not None and now - idle_from >= idle_seconds
+
+
+def test_usage_is_read_from_cpu_stat(tmp_path: Path) -> None:
+    from cpuservice.host.cgroup import read_usage
+    unit = tmp_path / "cpuservice.slice/cpuservice-bound-o.slice"
+    unit.mkdir(parents=True)
+    (unit / "cpu.stat").write_text("usage_usec 1234567\nuser_usec 1000000\nsystem_usec 234567\n")
+    assert read_usage("/cpuservice.slice/cpuservice-bound-o.slice", tmp_path) == 1234567
+    for bad in ("cpuservice.slice", "/cpuservice.slice/../etc", "/nothing/here"):
+        assert read_usage(bad, tmp_path) is None
+    (unit / "cpu.stat").write_text("user_usec 1\n")  # no usage_usec (no cpu controller)
+    assert read_usage("/cpuservice.slice/cpuservice-bound-o.slice", tmp_path) is None
