@@ -84,6 +84,17 @@ class Lending:
         state = self.engine.state
         return bool(lending.lenders(state) or lending.all_lent(self.engine.topology, state))
 
+    async def shutdown(self) -> None:
+        """The daemon stops: no more samples, and nothing stays lent that no one watches (a
+        restart lends again once the owners have been idle for lend_idle_seconds)."""
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+        state = self.engine.state
+        names = sorted(n for n, r in state.records.items() if r.lent)
+        if names:
+            await self.commit(names, Action.WITHDRAW, self.clock(), {}, "the daemon stops")
+
     async def _run(self) -> None:
         interval = self.config.lend_sample_ms / 1000
         while self._wanted():
@@ -166,10 +177,11 @@ class Lending:
         return usage
 
     async def commit(self, names: Sequence[str], action: Action, detected: float,
-                     loads: dict[str, float | None]) -> None:
+                     loads: dict[str, float | None], cause: str = "") -> None:
         """Lend (or withdraw) the cores of ``names`` in one change, under the engine's lock,
         from the state as it is then. ``detected``: when the sample that decided was taken
-        (a withdrawal's latency is counted from it)."""
+        (a withdrawal's latency is counted from it); ``cause``: why, when it is not the
+        owners' load."""
         async with self.engine.lock:
             state, topology = self.engine.state, self.engine.topology
             lent_now: dict[str, CPUSet] = {}
@@ -180,7 +192,7 @@ class Lending:
                 if a is None or record is None or self.skip(name):
                     continue
                 was = lending.lent(topology, state, name)
-                why = _why(loads.get(name), action)
+                why = cause or _why(loads.get(name), action)
                 if action is Action.LEND:
                     cpus = lending.lendable(topology, a)
                     if cpus and cpus != record.lent:
@@ -199,7 +211,7 @@ class Lending:
                 dict.fromkeys(lent_now, reason), notes=tuple(notes),
                 durability=Durability.FIRST if action is Action.LEND
                 else Durability.SERVE_READ_ONLY))
-        if action is Action.WITHDRAW:
+        if action is Action.WITHDRAW and not cause:  # an owner that got busy
             self.engine.counters.withdrawn(self.clock() - detected)
 
 

@@ -258,6 +258,25 @@ def test_the_loop_runs_only_while_something_lends(tmp_path: Path) -> None:
     run(body)
 
 
+def test_a_stopping_daemon_leaves_nothing_lent(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await lender(host)
+        svc.engine.audit = rec = AuditRecorder()
+        await tick(host, svc, n=34)
+        assert svc.record("o").lent
+        await svc.lending.shutdown()
+        assert host.fake.cpus(BORROW) == svc.ledger.shared and not svc.lending.running()
+        assert rec.events[-1].kind == Kind.WITHDRAWN
+        assert rec.events[-1].reason == "the daemon stops"
+        assert svc.engine.counters.withdrawals == 0  # not an owner that got busy
+        again = await host.service()  # the checkpoint says so: lent again once idle
+        assert again.record("o").lent == EMPTY
+        await tick(host, again, n=34)
+        assert again.record("o").lent
+    run(body)
+
+
 # ---- random sequences ----
 
 OPTIONS = {"bind": {"bind": True}, "lend": LEND, "borrow": {"borrow": True}, "unbound": {}}
