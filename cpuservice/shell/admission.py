@@ -111,8 +111,7 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
     state = engine.state
     outcomes: list[Outcome] = []
     notes: list[Note] = []
-    moved: dict[str, Move] = {}
-    pending: list[str] = []
+    pending: list[str] = []  # the allocations moved, once per move
     for ask in asks:
         try:
             state, allocation, made = await place(engine, state, ask, moves, pending)
@@ -125,16 +124,13 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
         extra = {} if ask.caller is None else {"caller_uid": str(ask.caller)}
         notes.append(Note(Kind.ALLOCATED, ask.name, extra=extra))
         notes.extend(moving.notes(made, f"to make room for {ask.name}"))
-        for move in made:  # moved twice in one group: from where it was to where it ends
-            moved[move.name] = Move(move.name, moved[move.name].old if move.name in moved
-                                    else move.old, move.new)
-            pending.append(move.name)
+        pending.extend(move.name for move in made)
     names = frozenset(a.name for a, outcome in outcomes if isinstance(outcome, Allocation))
     if names:
         for name in names:
             fresh(name)
-        await engine.apply(Change(state, names | moved.keys(),
-                                  dict.fromkeys(moved, publish.MOVED), notes=tuple(notes)))
+        await engine.apply(Change(state, names | set(pending),
+                                  dict.fromkeys(pending, publish.MOVED), notes=tuple(notes)))
         if moves is not None:
             moves.record(pending)
         engine.counters.moved("repack", len(pending))

@@ -77,6 +77,8 @@ async def moves(bus: MessageBus, c: Client) -> None:
     await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
                            interface="org.freedesktop.DBus", member="AddMatch", signature="s",
                            body=[f"type='signal',sender='{DEST}',member='AllocationMoved'"]))
+    for name in await c.allocations():  # earlier scenarios of the boot may leave some
+        await c.call("Release", "s", [name])
     names = ["a0", "a1", "a2"]
     units = {}
     for name in names:  # a whole core each (all first: none takes loose threads)...
