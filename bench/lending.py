@@ -20,15 +20,20 @@ from tests.envs import lab
 
 ROUNDS = int(os.environ.get("CPUSERVICE_BENCH_ROUNDS", "11"))
 SECONDS = int(os.environ.get("CPUSERVICE_LENDING_SECONDS", "30"))
+OWNER = os.environ.get("CPUSERVICE_LENDING_OWNER", "2")
+SOCKETS, CORES, THREADS = (int(x) for x in
+                           os.environ.get("CPUSERVICE_LENDING_SHAPE", "1x2x2").split("x"))
+APPEND = os.environ.get("CPUSERVICE_LENDING_APPEND", "idle=poll")
 
 
 def main() -> int:
     outcome = lab.run({
         "bench": lab.Scenario("bash /payload/scripts/install.sh >/dev/null\n"
-                              f"CPUSERVICE_LENDING_SECONDS={SECONDS} python3 "
+                              f"CPUSERVICE_LENDING_SECONDS={SECONDS} "
+                              f"CPUSERVICE_LENDING_OWNER={OWNER} python3 "
                               f"/payload/tests/lab/scenarios/lending.py bench {ROUNDS}\n",
                               timeout=300 + 2 * SECONDS + 30 * ROUNDS),
-    })
+    }, lab.Shape(sockets=SOCKETS, cores=CORES, threads=THREADS, nodes=1, append=APPEND))
     result = outcome.results["bench"]
     rows = result.rows()
     if result.status != 0 or not rows:
@@ -42,6 +47,8 @@ def main() -> int:
     print(f"lending owner_p99_us unlent={r['unlent_p99']:.1f} lent={r['lent_p99']:.1f} "
           f"ratio={ratio:.2f}")
     print(f"lending harvest={r['harvest']:.2f}")
+    # the same measure with lending off: what others got of the owner's idle CPUs without it
+    print(f"lending harvest_unlent={r['unlent_harvest']:.2f}")
     print(f"lending withdraw_ms p50 {r['withdraw_p50']:.1f} max {r['withdraw_max']:.1f}")
     return 0
 

@@ -35,6 +35,7 @@ from dbus_fast.aio import MessageBus
 from hotplug import ALLOCATION, Client, parse, result
 
 CGROUP = Path("/sys/fs/cgroup")
+OWNER_CPUS = os.environ.get("CPUSERVICE_LENDING_OWNER", "4")  # bound CPUs, whole cores
 BORROW = CGROUP / "cpuservice.slice/cpuservice-borrow.slice"
 SPIN = Path("/run/lending-spin")
 # idle (a look every 10 ms, no fork: a shell's sleep would cost the owner's load under TCG)
@@ -54,12 +55,22 @@ def run(*argv: str) -> str:
 
 
 def effective(cgroup: Path) -> set[int]:
+    """The cgroup's effective CPUs: those of the nearest cgroup at or above it that has the
+    cpuset controller (systemd enables it only where some unit sets AllowedCPUs)."""
+    while not (cgroup / "cpuset.cpus.effective").exists() and cgroup != CGROUP:
+        cgroup = cgroup.parent
     return parse((cgroup / "cpuset.cpus.effective").read_text().strip())
 
 
 def group_of(unit: str) -> Path:
-    return CGROUP / run("systemctl", "show", unit, "-p", "ControlGroup", "--value").strip() \
-        .lstrip("/")
+    """The unit's cgroup (it must have one: a unit that is gone has none)."""
+    group = run("systemctl", "show", unit, "-p", "ControlGroup", "--value").strip()
+    if not group:
+        state = run("systemctl", "show", unit, "-p", "ActiveState,SubState,Result")
+        log = subprocess.run(["journalctl", "-q", "-n", "30", "-u", unit], capture_output=True,
+                             text=True).stdout
+        raise SystemExit(f"FAILED STEP: {unit} has no cgroup: {state.split()}\n{log}")
+    return CGROUP / group.lstrip("/")
 
 
 def tasks(cgroup: Path) -> list[int]:
@@ -111,7 +122,7 @@ class Lab:
 
     async def setup(self) -> None:
         online = len(parse(Path("/sys/devices/system/cpu/online").read_text().strip()))
-        await self.c.call("Allocate", "ssa{sv}", ["owner", "4", {
+        await self.c.call("Allocate", "ssa{sv}", ["owner", OWNER_CPUS, {
             "bind": Variant("b", True), "lend": Variant("b", True),
             "policy": Variant("s", "full-pcpus")}])
         await self.c.call("Allocate", "ssa{sv}", ["borrower", str(online),
@@ -123,8 +134,10 @@ class Lab:
         for i in range(2):  # idle until SPIN exists: then each keeps a CPU busy
             run("systemd-run", f"--slice={self.owner_unit}", f"--unit=lend-spin{i}",
                 "python3", "-c", SPINNER)
+        # one integer method: the default cycles through methods whose vector instructions
+        # QEMU's software CPU claims but does not implement (SIGILL)
         run("systemd-run", "--slice=cpuservice-borrow-borrower.slice", "--unit=lend-borrower",
-            "stress-ng", "--cpu", str(online), "--timeout", "3600")
+            "stress-ng", "--cpu", str(online), "--cpu-method", "fibonacci", "--timeout", "3600")
 
     async def lent(self) -> set[int]:
         path = (await self.c.allocations())["owner"][4]
@@ -265,24 +278,41 @@ def cyclictest(lab: Lab, seconds: int) -> tuple[float, float]:
     return p99(out)
 
 
+class Harvest:
+    """The share of the owner's idle time on its CPUs that others used, over a ``with`` block:
+    /proc/stat's busy time of those CPUs less the owner's own cgroup usage, over the CPUs'
+    time less that usage."""
+
+    def __init__(self, lab: Lab, owner: Path) -> None:
+        self.lab, self.owner, self.value = lab, owner, 0.0
+
+    def __enter__(self) -> Harvest:
+        self.busy, self.used = cpu_busy(self.lab.cpus), usage(self.owner)
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        used = usage(self.owner) - self.used
+        idle = len(self.lab.cpus) * (time.monotonic() - self.start) - used
+        others = cpu_busy(self.lab.cpus) - self.busy - used
+        self.value = others / idle if idle > 0 else 0.0
+
+
 async def bench(c: Client, rounds: int) -> None:
     lab = Lab(c)
     await lab.setup()
     seconds = int(os.environ.get("CPUSERVICE_LENDING_SECONDS", "30"))
     try:
         await lab.wait_lent()
+        owner = group_of(lab.owner_unit)
         await c.call("SetLending", "sb", ["owner", False])
-        unlent, unlent_max = cyclictest(lab, seconds)
+        with Harvest(lab, owner) as unlent_harvest:
+            unlent, unlent_max = cyclictest(lab, seconds)
         await c.call("SetLending", "sb", ["owner", True])
         await lab.wait_lent()
-        owner = group_of(lab.owner_unit)
-        busy0, used0, t0 = cpu_busy(lab.cpus), usage(owner), time.monotonic()
-        lent, lent_max = cyclictest(lab, seconds)
-        busy1, used1, t1 = cpu_busy(lab.cpus), usage(owner), time.monotonic()
+        with Harvest(lab, owner) as harvest:
+            lent, lent_max = cyclictest(lab, seconds)
         still = await lab.lent() == lab.cpus
-        owner_used = used1 - used0
-        idle = len(lab.cpus) * (t1 - t0) - owner_used
-        harvest = (busy1 - busy0 - owner_used) / idle if idle > 0 else 0.0
         times = []
         for _ in range(rounds):
             times.append(await lab.withdraw())
@@ -290,7 +320,8 @@ async def bench(c: Client, rounds: int) -> None:
             await lab.wait_lent()
         times.sort()
         result(check="bench", unlent_p99=unlent, lent_p99=lent, unlent_max=unlent_max,
-               lent_max=lent_max, harvest=harvest, lent_throughout=still,
+               lent_max=lent_max, harvest=harvest.value, unlent_harvest=unlent_harvest.value,
+               lent_throughout=still,
                withdraw_p50=times[len(times) // 2], withdraw_max=times[-1], rounds=rounds,
                seconds=seconds)
     finally:
