@@ -20,9 +20,9 @@ from tests.envs import lab
 
 ROUNDS = int(os.environ.get("CPUSERVICE_BENCH_ROUNDS", "11"))
 SECONDS = int(os.environ.get("CPUSERVICE_LENDING_SECONDS", "30"))
-OWNER = os.environ.get("CPUSERVICE_LENDING_OWNER", "2")
+OWNER = os.environ.get("CPUSERVICE_LENDING_OWNER", "1")
 SOCKETS, CORES, THREADS = (int(x) for x in
-                           os.environ.get("CPUSERVICE_LENDING_SHAPE", "1x2x2").split("x"))
+                           os.environ.get("CPUSERVICE_LENDING_SHAPE", "1x2x1").split("x"))
 APPEND = os.environ.get("CPUSERVICE_LENDING_APPEND", "idle=poll")
 
 
@@ -40,9 +40,10 @@ def main() -> int:
         print(result.output)
         return 1
     r = rows[-1]
-    print(f"cyclictest {r['seconds']} s per phase, max us unlent {r['unlent_max']:.0f} lent "
-          f"{r['lent_max']:.0f}; lent throughout: {r['lent_throughout']}; {r['rounds']} "
-          f"withdrawals (VM boot {outcome.boot_seconds:.1f} s)")
+    print(f"cyclictest {r['seconds']} s per phase ({r['samples']} wake-ups lent), max us "
+          f"unlent {r['unlent_max']:.0f} lent {r['lent_max']:.0f}; steady throughout: "
+          f"{r['lent_throughout']}; lent again {r['relent_seconds']:.1f} s after cyclictest "
+          f"started; {r['rounds']} withdrawals (VM boot {outcome.boot_seconds:.1f} s)")
     ratio = r["lent_p99"] / r["unlent_p99"] if r["unlent_p99"] else float("inf")
     print(f"lending owner_p99_us unlent={r['unlent_p99']:.1f} lent={r['lent_p99']:.1f} "
           f"ratio={ratio:.2f}")

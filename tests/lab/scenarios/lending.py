@@ -4,20 +4,21 @@ object per check on lines starting with ``RESULT ``.
     python3 lending.py check          # a borrower never runs on a withdrawn core
     python3 lending.py bench ROUNDS   # owner latency unlent/lent, harvest, withdrawal time
 
-An owner of 4 bound CPUs (two whole cores of the lab's 2 x 2 x 2 machine) lends them; a
-borrower (unbound, option borrow, as many CPUs as the machine has) runs ``stress-ng --cpu`` with
-one worker per online CPU, so that it covers every lent CPU. ``check`` makes the owner busy
-(two spinning processes in its slice) and watches, every 10 ms, the borrow slice's
-``cpuset.cpus.effective``, the borrower's cgroup's, each borrower task's ``Cpus_allowed_list``
-and the CPU it last ran on: from the first instant the withdrawal is seen, no borrower may be on
-a withdrawn core again. Then the owner goes idle (lent again), is released while lent, and a new
-bound allocation takes the same CPUs: the borrower must never be on them again.
+An owner of bound CPUs (CPUSERVICE_LENDING_OWNER, 4: two whole cores of the lab's 2 x 2 x 2
+machine) lends them; a borrower (unbound, option borrow, as many CPUs as the machine has) runs
+``stress-ng --cpu`` with one worker per online CPU, so that it covers every lent CPU. ``check``
+makes the owner busy (two spinning processes in its slice) and watches, every 10 ms, the borrow
+slice's ``cpuset.cpus.effective``, the borrower's cgroup's, each borrower task's
+``Cpus_allowed_list`` and the CPU it last ran on: from the first instant the withdrawal is seen,
+no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), is released
+while lent, and a new bound allocation takes the same CPUs: the borrower must never be on them
+again.
 
-``bench`` runs cyclictest (SCHED_OTHER, a low duty cycle: one wake-up every 10 ms per thread) on
-the owner's CPUs with the borrower running, first with lending off, then lent; reads the
-borrower's CPU time on the lent cores (/proc/stat of those CPUs less the owner's own usage)
-against the owner's idle time there; and times withdrawals: from the owner's spinners starting
-to the borrow slice's cgroup no longer having the lent cores.
+``bench`` runs one cyclictest (SCHED_OTHER, a low duty cycle: one wake-up every 10 ms per
+thread) on the owner's CPUs, with the borrower running, and measures two windows of it: lent,
+then with lending off. In each: the owner's wake-up latencies, and the harvest (the borrower's
+user time on the owner's CPUs over the owner's idle time there). Then it times withdrawals:
+from the owner's spinners being woken to the borrow slice's cgroup no longer having its cores.
 """
 
 from __future__ import annotations
@@ -38,15 +39,14 @@ CGROUP = Path("/sys/fs/cgroup")
 OWNER_CPUS = os.environ.get("CPUSERVICE_LENDING_OWNER", "4")  # bound CPUs, whole cores
 BORROW = CGROUP / "cpuservice.slice/cpuservice-borrow.slice"
 SPIN = Path("/run/lending-spin")
-# idle (a look every 10 ms, no fork: a shell's sleep would cost the owner's load under TCG)
-# until SPIN exists, then busy until it is gone
-SPINNER = f"""import os, time
+WAKE = Path("/run/lending-wake")  # a FIFO: the spinners sleep in open() until it is opened
+# no CPU time at all while idle (a look every few ms would be a load of its own under TCG):
+# blocked until WAKE is opened for writing, then busy while SPIN exists
+SPINNER = f"""import os
 while True:
-    if os.path.exists({str(SPIN)!r}):
-        while os.path.exists({str(SPIN)!r}):
-            pass
-    else:
-        time.sleep(0.01)
+    os.close(os.open({str(WAKE)!r}, os.O_RDONLY))
+    while os.path.exists({str(SPIN)!r}):
+        pass
 """
 
 
@@ -94,24 +94,25 @@ def task_cpus(tid: int) -> tuple[set[int], int] | None:
     return allowed, int(stat.rsplit(")", 1)[1].split()[36])  # field 39: processor
 
 
-def cpu_busy(cpus: set[int]) -> float:
-    """Seconds the CPUs were not idle since boot (/proc/stat: all but idle and iowait)."""
+def cpu_user(cpus: set[int]) -> float:
+    """Seconds the CPUs ran user code since boot (/proc/stat: user and nice). The borrower's
+    stress-ng is all user time; the kernel's own work there (interrupts, softirqs, kernel
+    threads) is not, and is no one's harvest."""
     hz = os.sysconf("SC_CLK_TCK")
     total = 0
     for line in Path("/proc/stat").read_text().splitlines():
         name, *fields = line.split()
         if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-            values = [int(f) for f in fields[:8]]
-            total += sum(values) - values[3] - values[4]
+            total += int(fields[0]) + int(fields[1])
     return total / hz
 
 
-def usage(cgroup: Path) -> float:
-    """Seconds of CPU time the cgroup used (cpu.stat usage_usec)."""
+def usage(cgroup: Path, key: str = "usage_usec") -> float:
+    """Seconds of CPU time the cgroup used (cpu.stat ``key``: usage_usec, user_usec)."""
     for line in (cgroup / "cpu.stat").read_text().splitlines():
-        if line.startswith("usage_usec "):
+        if line.startswith(f"{key} "):
             return int(line.split()[1]) / 1e6
-    raise RuntimeError(f"no usage_usec in {cgroup}")
+    raise RuntimeError(f"no {key} in {cgroup}")
 
 
 class Lab:
@@ -122,6 +123,8 @@ class Lab:
 
     async def setup(self) -> None:
         online = len(parse(Path("/sys/devices/system/cpu/online").read_text().strip()))
+        for name in await self.c.allocations():  # earlier scenarios of the boot may leave some
+            await self.c.call("Release", "s", [name])
         await self.c.call("Allocate", "ssa{sv}", ["owner", OWNER_CPUS, {
             "bind": Variant("b", True), "lend": Variant("b", True),
             "policy": Variant("s", "full-pcpus")}])
@@ -131,7 +134,9 @@ class Lab:
         self.cpus = parse(rows["owner"][3])
         self.owner_unit = str(await self.c.prop("Unit", rows["owner"][4], ALLOCATION))
         SPIN.unlink(missing_ok=True)
-        for i in range(2):  # idle until SPIN exists: then each keeps a CPU busy
+        WAKE.unlink(missing_ok=True)
+        os.mkfifo(WAKE)
+        for i in range(2):  # asleep until woken: then each keeps a CPU busy while SPIN is
             run("systemd-run", f"--slice={self.owner_unit}", f"--unit=lend-spin{i}",
                 "python3", "-c", SPINNER)
         # one integer method: the default cycles through methods whose vector instructions
@@ -175,12 +180,20 @@ class Lab:
         """Start the owner's spinners; ms until the borrow slice has none of its CPUs."""
         start = time.monotonic()
         SPIN.touch()
+        self.wake()
         while effective(BORROW) & self.cpus:
             if time.monotonic() - start > seconds:
                 raise SystemExit("FAILED STEP: the lent cores were not withdrawn within "
                                  f"{seconds} s of the owner getting busy")
             await asyncio.sleep(0.002)
         return (time.monotonic() - start) * 1000
+
+    def wake(self) -> None:
+        """Open WAKE for writing: every spinner blocked in its open() returns."""
+        try:
+            os.close(os.open(WAKE, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:  # ENXIO: no spinner is waiting
+            raise SystemExit(f"FAILED STEP: no spinner to wake: {exc}") from None
 
     def idle(self) -> None:
         SPIN.unlink(missing_ok=True)
@@ -246,56 +259,92 @@ async def check(c: Client) -> None:
         await c.call("Release", "s", ["borrower"])
 
 
-def p99(histogram: str) -> tuple[float, float]:
-    """p99 and max latency in µs from cyclictest's histogram output (all threads together)."""
-    counts: dict[int, int] = {}
-    overflow, worst = 0, 0.0
-    for line in histogram.splitlines():
-        parts = line.split()
-        if parts and parts[0].isdigit():
-            counts[int(parts[0])] = counts.get(int(parts[0]), 0) + sum(int(x) for x in parts[1:])
-        elif line.startswith("# Histogram Overflows:"):
-            overflow = sum(int(x) for x in line.split(":")[1].split())
-        elif line.startswith("# Max Latencies:"):
-            worst = max(float(x) for x in line.split(":")[1].split())
-    total = sum(counts.values()) + overflow
-    seen = 0
-    for bucket in sorted(counts):
-        seen += counts[bucket]
-        if seen >= 0.99 * total:
-            return float(bucket), worst
-    return worst, worst
+INTERVAL_US = 10_000  # cyclictest's period: one wake-up every 10 ms per thread
+CYCLICTEST_OUT = Path("/run/lending-cyclictest.out")
 
 
-def cyclictest(lab: Lab, seconds: int) -> tuple[float, float]:
-    """cyclictest on the owner's CPUs, in its slice: one thread per CPU, SCHED_OTHER, a
-    wake-up every 10 ms."""
-    cpus = ",".join(map(str, sorted(lab.cpus)))
-    out = run("systemd-run", "--wait", "--pipe", "--quiet", f"--slice={lab.owner_unit}",
-              "--unit=lend-cyclictest", "cyclictest", "--mlockall", "--quiet",
-              f"--duration={seconds}", "--interval=10000", f"--threads={len(lab.cpus)}",
-              f"--affinity={cpus}", "--histogram=20000")
-    return p99(out)
+def p99(latencies: list[int]) -> tuple[float, float]:
+    """p99 and max of wake-up latencies in µs."""
+    if not latencies:
+        raise SystemExit("FAILED STEP: cyclictest measured nothing in a phase")
+    ordered = sorted(latencies)
+    return float(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]), float(ordered[-1])
+
+
+class Cyclictest:
+    """cyclictest on the owner's CPUs, in its slice, for the whole benchmark: one thread per
+    CPU, SCHED_OTHER, a wake-up every 10 ms, every latency printed (-v). One run for both
+    phases: its start (exec, memory locking) is a burst of the owner's load that withdraws
+    what is lent, so the phases are time windows of one run, chosen once lending is back.
+    Cycle k of a thread happens no earlier than the unit's start + k periods, so a window
+    [a, b] keeps the cycles nominally in [a, b - margin]."""
+
+    MARGIN = 1.0  # s: cyclictest's own start-up delay (exec, mlock) is less than this
+
+    def __init__(self, lab: Lab) -> None:
+        cpus = ",".join(map(str, sorted(lab.cpus)))
+        CYCLICTEST_OUT.unlink(missing_ok=True)
+        run("systemd-run", "--quiet", f"--slice={lab.owner_unit}", "--unit=lend-cyclictest",
+            f"--property=StandardOutput=file:{CYCLICTEST_OUT}", "cyclictest", "--mlockall",
+            "--verbose", f"--interval={INTERVAL_US}", f"--threads={len(lab.cpus)}",
+            f"--affinity={cpus}")
+        started = run("systemctl", "show", "lend-cyclictest", "-p",
+                      "ExecMainStartTimestampMonotonic", "--value").strip()
+        self.start = int(started) / 1e6  # CLOCK_MONOTONIC, as time.monotonic()
+
+    def stop(self) -> dict[int, list[int]]:
+        """End it; the latencies (µs) by cycle number, all threads together."""
+        run("systemctl", "stop", "lend-cyclictest")
+        cycles: dict[int, list[int]] = {}
+        for line in CYCLICTEST_OUT.read_text().splitlines():
+            parts = line.replace(" ", "").split(":")
+            if len(parts) == 3 and all(p.isdigit() for p in parts):
+                cycles.setdefault(int(parts[1]), []).append(int(parts[2]))
+        return cycles
+
+    def window(self, cycles: dict[int, list[int]], a: float, b: float) -> list[int]:
+        first = (a - self.start) * 1e6 / INTERVAL_US
+        last = (b - self.MARGIN - self.start) * 1e6 / INTERVAL_US
+        return [x for k, values in cycles.items() if first <= k <= last for x in values]
 
 
 class Harvest:
-    """The share of the owner's idle time on its CPUs that others used, over a ``with`` block:
-    /proc/stat's busy time of those CPUs less the owner's own cgroup usage, over the CPUs'
-    time less that usage."""
+    """The share of the owner's idle time on its CPUs that others' user code used, over a
+    ``with`` block: the user time of those CPUs (/proc/stat) less the owner's own (cpu.stat
+    user_usec), over the CPUs' time less all the owner used. ``start``, ``end``: the block's
+    monotonic times."""
 
     def __init__(self, lab: Lab, owner: Path) -> None:
         self.lab, self.owner, self.value = lab, owner, 0.0
+        self.start = self.end = 0.0
+
+    def _read(self) -> tuple[float, float, float]:
+        return (cpu_user(self.lab.cpus), usage(self.owner),
+                usage(self.owner, "user_usec"))
 
     def __enter__(self) -> Harvest:
-        self.busy, self.used = cpu_busy(self.lab.cpus), usage(self.owner)
+        self.before = self._read()
         self.start = time.monotonic()
         return self
 
     def __exit__(self, *_: object) -> None:
-        used = usage(self.owner) - self.used
-        idle = len(self.lab.cpus) * (time.monotonic() - self.start) - used
-        others = cpu_busy(self.lab.cpus) - self.busy - used
-        self.value = others / idle if idle > 0 else 0.0
+        self.end = time.monotonic()
+        user, used, owner_user = (b - a for a, b in zip(self.before, self._read(), strict=True))
+        idle = len(self.lab.cpus) * (self.end - self.start) - used
+        self.value = (user - owner_user) / idle if idle > 0 else 0.0
+
+
+async def phase(lab: Lab, owner: Path, seconds: float) -> tuple[Harvest, bool]:
+    """One measured phase: the harvest over ``seconds``, and whether what was lent at its
+    start stayed lent throughout (looked at every 100 ms)."""
+    before = await lab.lent()
+    steady = True
+    with Harvest(lab, owner) as harvest:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            steady = steady and await lab.lent() == before
+    return harvest, steady
 
 
 async def bench(c: Client, rounds: int) -> None:
@@ -305,23 +354,26 @@ async def bench(c: Client, rounds: int) -> None:
     try:
         await lab.wait_lent()
         owner = group_of(lab.owner_unit)
+        test = Cyclictest(lab)
+        relent = await lab.wait_lent()  # after the withdrawal cyclictest's start caused
+        lent, lent_steady = await phase(lab, owner, seconds)
         await c.call("SetLending", "sb", ["owner", False])
-        with Harvest(lab, owner) as unlent_harvest:
-            unlent, unlent_max = cyclictest(lab, seconds)
+        unlent, unlent_steady = await phase(lab, owner, seconds)
+        cycles = test.stop()
+        unlent_p99, unlent_max = p99(test.window(cycles, unlent.start, unlent.end))
+        lent_p99, lent_max = p99(test.window(cycles, lent.start, lent.end))
         await c.call("SetLending", "sb", ["owner", True])
         await lab.wait_lent()
-        with Harvest(lab, owner) as harvest:
-            lent, lent_max = cyclictest(lab, seconds)
-        still = await lab.lent() == lab.cpus
         times = []
         for _ in range(rounds):
             times.append(await lab.withdraw())
             lab.idle()
             await lab.wait_lent()
         times.sort()
-        result(check="bench", unlent_p99=unlent, lent_p99=lent, unlent_max=unlent_max,
-               lent_max=lent_max, harvest=harvest.value, unlent_harvest=unlent_harvest.value,
-               lent_throughout=still,
+        result(check="bench", unlent_p99=unlent_p99, lent_p99=lent_p99, unlent_max=unlent_max,
+               lent_max=lent_max, harvest=lent.value, unlent_harvest=unlent.value,
+               lent_throughout=lent_steady and unlent_steady, relent_seconds=relent,
+               samples=len(test.window(cycles, lent.start, lent.end)),
                withdraw_p50=times[len(times) // 2], withdraw_max=times[-1], rounds=rounds,
                seconds=seconds)
     finally:
