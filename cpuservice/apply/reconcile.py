@@ -36,79 +36,22 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
+from cpuservice.apply.ops import CPUS as CPUS
+from cpuservice.apply.ops import NOT_PARTITION as NOT_PARTITION
+from cpuservice.apply.ops import PARTITION as PARTITION
+from cpuservice.apply.ops import Kind as Kind
+from cpuservice.apply.ops import Op as Op
+from cpuservice.apply.ops import Transaction as Transaction
+from cpuservice.apply.ops import Units as Units
+from cpuservice.apply.ops import UnitSpec as UnitSpec
+from cpuservice.apply.ops import mask as _mask
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.props import Props
 
 log = logging.getLogger(__name__)
-
-CPUS = "AllowedCPUs"
-PARTITION = "CPUSetPartition"
-NOT_PARTITION = ("", "member")
-
-
-@dataclass(frozen=True)
-class UnitSpec:
-    """One unit as cpuservice wants systemd to hold it. ``own``: a transient slice cpuservice
-    starts and stops; otherwise an existing unit whose properties it only sets, and sets back to
-    ``restore`` when the unit is no longer cpuservice's."""
-
-    props: Props
-    own: bool = True
-    restore: Props = field(default_factory=dict)
-    forget: tuple[str, ...] = ()  # runtime overrides of a foreign unit to remove on restore
-
-    @property
-    def cpus(self) -> CPUSet | None:
-        """The AllowedCPUs this unit is given (None: not set, it inherits its parent's)."""
-        value = self.props.get(CPUS)
-        return None if value is None else CPUSet.from_mask(bytes(value[1]))
-
-
-Units = Mapping[str, UnitSpec]
-
-
-class Kind(StrEnum):
-    START = "start"  # StartTransientUnit with props; undo: stop
-    SET = "set"  # SetUnitProperties props; undo: set undo_props
-    STOP = "stop"  # StopUnit; undo: start again with undo_props
-    RESTORE = "restore"  # SetUnitProperties of a foreign unit's saved values, then remove the
-    # runtime overrides cpuservice made where the unit had none (forget); undo: set undo_props
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: Kind
-    unit: str
-    props: Props = field(default_factory=dict)
-    undo_props: Props = field(default_factory=dict)
-    forget: tuple[str, ...] = ()
-    adopt: bool = False  # a SET that makes a foreign unit cpuservice's: undone by a RESTORE
-    keep: bool = False  # never undone (an Attach scope: stopping it would kill what it holds)
-
-    def __str__(self) -> str:
-        return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
-
-
-@dataclass(frozen=True)
-class Transaction:
-    ops: tuple[Op, ...]
-
-    def __bool__(self) -> bool:
-        return bool(self.ops)
-
-
-def _show(props: Props) -> str:
-    return " ".join(f"{name}={CPUSet.from_mask(bytes(value)).format() if sig == 'ay' else value}"
-                    for name, (sig, value) in props.items())
-
-
-def _mask(cpus: CPUSet) -> tuple[str, bytes]:
-    return ("ay", cpus.to_mask())
-
 
 def _same(sig: str, a: Any, b: Any) -> bool:
     return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b)) if sig == "ay" else a == b
@@ -287,10 +230,35 @@ class Batching(Effector, Protocol):
     async def set_many(self, writes: Mapping[str, Props]) -> None: ...
 
 
+def _moves(op: Op) -> tuple[CPUSet, CPUSet] | None:
+    """The CPUs a SET gives its unit and those it takes away ((EMPTY, EMPTY): it changes no
+    CPU; None: not known, its unit had no AllowedCPUs of its own before)."""
+    if CPUS not in op.props:
+        return EMPTY, EMPTY
+    if CPUS not in op.undo_props:
+        return None
+    will, was = (CPUSet.from_mask(bytes(p[CPUS][1])) for p in (op.props, op.undo_props))
+    return will - was, was - will
+
+
+def _independent(a: Op, b: Op) -> bool:
+    """Whether two SETs of a plan may run in either order: neither gives a CPU the other takes
+    away (so no order passes through a state the plan's own does not allow), and neither is a
+    partition's or an adoption."""
+    if a.adopt or b.adopt or PARTITION in a.props or PARTITION in b.props:
+        return False
+    ma, mb = _moves(a), _moves(b)
+    if ma is None or mb is None:
+        return ma == (EMPTY, EMPTY) or mb == (EMPTY, EMPTY)
+    return not (ma[0] & mb[1] or mb[0] & ma[1])
+
+
 def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
     """The operations as the effector runs them: one each, consecutive batched SETs of distinct
-    units together (one call), and consecutive STARTs of distinct units together (issued at
-    once: new units wait for nobody, so none waits for another's job)."""
+    units together (one call), consecutive STARTs of distinct units together (issued at
+    once: new units wait for nobody, so none waits for another's job), and consecutive SETs of
+    distinct units that do not depend on each other's order together (issued at once: the
+    shrinking holders of the shared pool, say)."""
     out: list[list[Op]] = []
     batched = effector.batched if isinstance(effector, Batching) else lambda unit: False
 
@@ -299,7 +267,11 @@ def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
             return False
         if op.kind is Kind.START:
             return True
-        return op.kind is Kind.SET and batched(op.unit) and batched(group[0].unit)
+        if op.kind is not Kind.SET:
+            return False
+        if batched(op.unit) or batched(group[0].unit):
+            return batched(op.unit) and batched(group[0].unit)
+        return all(_independent(op, o) for o in group)
 
     for op in ops:
         if out and joins(op, out[-1]):
@@ -349,15 +321,17 @@ async def execute(tx: Transaction, effector: Effector) -> None:
     done: list[Op] = []
     for group in groups(tx.ops, effector):
         op = group[0]
+        together = len(group) > 1 and not (isinstance(effector, Batching)
+                                           and effector.batched(op.unit))
         try:
-            if len(group) > 1 and op.kind is Kind.START:
-                await _start_all(effector, group, done)
+            if together:
+                await _run_all(effector, group, done)
             elif len(group) > 1 and isinstance(effector, Batching):
                 await effector.set_many({o.unit: o.props for o in group})
             else:
                 await run_op(effector, op)
         except Exception as exc:
-            if isinstance(exc, _StartFailed):
+            if isinstance(exc, _PartFailed):
                 op, exc = exc.op, exc.cause
             log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
             # a batched write (the kernel's interrupts and workqueues) may have been done in
@@ -372,29 +346,29 @@ async def execute(tx: Transaction, effector: Effector) -> None:
                     log.error("undo of '%s' failed: %s", earlier, again)
                     clean = False
             raise Failed(exc, op, clean) from exc
-        if not (len(group) > 1 and op.kind is Kind.START):
+        if not together:
             done.extend(group)
 
 
-class _StartFailed(Exception):
+class _PartFailed(Exception):
     def __init__(self, op: Op, cause: Exception) -> None:
         super().__init__(str(cause))
         self.op, self.cause = op, cause
 
 
-async def _start_all(effector: Effector, group: Sequence[Op], done: list[Op]) -> None:
-    """Start the units of ``group`` at once (none waits for another's job); the ones that
-    started join ``done``, in the group's order, whatever happens to the others. The first
-    failure is raised as _StartFailed; a crash (a BaseException) as it is, undoing nothing."""
+async def _run_all(effector: Effector, group: Sequence[Op], done: list[Op]) -> None:
+    """Run the operations of ``group`` at once (none waits for another's job); the ones that
+    were done join ``done``, in the group's order, whatever happens to the others. The first
+    failure is raised as _PartFailed; a crash (a BaseException) as it is, undoing nothing."""
     results = await asyncio.gather(*(run_op(effector, o) for o in group),
                                    return_exceptions=True)
-    failed: _StartFailed | None = None
+    failed: _PartFailed | None = None
     for o, result in zip(group, results, strict=True):
         if result is None:
             done.append(o)
         elif not isinstance(result, Exception):
             raise result
         elif failed is None:
-            failed = _StartFailed(o, result)
+            failed = _PartFailed(o, result)
     if failed is not None:
         raise failed
