@@ -67,14 +67,23 @@ def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
 
 
 def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
-         lent: CPUSet = EMPTY) -> Transaction:
+         lent: CPUSet = EMPTY, sharer: str = "") -> Transaction:
     """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
     that are whole CPUs of a bound allocation before or after (the ones the rule protects);
     units are otherwise allowed to share CPUs (the shared pool, fragment CPUs). ``lent``: those
-    lent (lending.shareable): the owner's unit and the borrow slice may hold them together."""
+    lent (lending.shareable), which the unit ``sharer`` (the borrow slice) may hold besides the
+    one other unit that holds them (their owner's): they are protected from every other unit
+    as usual."""
     ops: list[Op] = []
-    exclusive, unsafe = exclusive - lent, exclusive | lent
-    holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
+    unsafe = exclusive | lent
+
+    def claim(unit: str, cpus: CPUSet) -> CPUSet:
+        """What a unit's CPUs are, for the rule: the sharer's lent ones are nobody's."""
+        return cpus - lent if unit == sharer else cpus
+
+    # what each unit holds, as the rule sees it (claim)
+    holding: dict[str, CPUSet] = {u: claim(u, s.cpus) for u, s in before.items()
+                                  if s.cpus is not None}
     # what each unit holds just before each step: an operation's undo writes back these values,
     # not the ones from before the whole change, so that undoing in reverse passes through the
     # same states as doing (and keeps the ordering rule)
@@ -101,7 +110,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
         keep = was & will
         if keep:
             ops.append(Op(Kind.SET, unit, {CPUS: _mask(keep)}, {CPUS: _mask(was)}))
-            holding[unit] = keep
+            holding[unit] = claim(unit, keep)
             shrunk(unit, keep)
 
     # 2. units that are no longer ours
@@ -122,11 +131,12 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
     mentioned = CPUSet.union_all(c for spec in after.values() if (c := spec.cpus) is not None)
     parking = mentioned - unsafe
     while pending:
-        ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
+        wants = {u: None if (c := after[u].cpus) is None else claim(u, c) for u in pending}
+        ready = [u for u in pending if not _waits(u, wants[u], pending, holding, exclusive)]
         if not ready:
             # units that swap CPUs, or a longer cycle: one of them moves to the parking CPUs
             # first (a partition stops being one before), the others follow, it last
-            parked = _park(pending, after, now, holding, exclusive, parking)
+            parked = _park(pending, wants, now, holding, exclusive, parking)
             if parked is None:
                 log.error("reconcile: units %s wait for each other's CPUs and no CPU is free "
                           "to pass through; applying in name order", ", ".join(pending))
@@ -137,7 +147,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
         for unit in ready:
             pending.remove(unit)
             ops.extend(_final(unit, now.get(unit), after[unit]))
-            will = after[unit].cpus
+            will = wants[unit]
             if will is None:
                 holding.pop(unit, None)
             else:
@@ -145,8 +155,9 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
     return Transaction(tuple(ops))
 
 
-def _park(pending: Sequence[str], after: Units, now: dict[str, UnitSpec],
-          holding: dict[str, CPUSet], exclusive: CPUSet, parking: CPUSet) -> list[Op] | None:
+def _park(pending: Sequence[str], wants: Mapping[str, CPUSet | None],
+          now: dict[str, UnitSpec], holding: dict[str, CPUSet], exclusive: CPUSet,
+          parking: CPUSet) -> list[Op] | None:
     """Break a cycle of units waiting for each other's exclusive CPUs: the first unit that holds
     exclusive CPUs another one waits for (one that is not a partition, when there is one) moves
     to ``parking`` (non-exclusive CPUs); ``now`` and ``holding`` follow. None: nothing to
@@ -156,7 +167,7 @@ def _park(pending: Sequence[str], after: Units, now: dict[str, UnitSpec],
 
     def waited_for(unit: str) -> bool:
         held = holding[unit] & exclusive
-        return any(v != unit and (after[v].cpus or EMPTY) & held for v in pending)
+        return any(v != unit and (wants[v] or EMPTY) & held for v in pending)
 
     blocking = [u for u in pending if u in holding and waited_for(u)]
     if not blocking:

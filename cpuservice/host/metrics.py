@@ -198,7 +198,8 @@ def render(topology: Topology, state: State, counters: Counters, version: str,
                "CPU time offered to borrowers on lent CPUs (CPUs lent x seconds).",
                [({}, round(counters.lent_seconds, 3))])
     out.family("cpuservice_lending_withdrawals_total", "counter",
-               "Withdrawals of lent CPUs because their owner got busy.",
+               "Owners whose lent CPUs were withdrawn because they got busy (or their load "
+               "could not be read).",
                [({}, counters.withdrawals)])
     out.family("cpuservice_checkpoint_write_failing", "gauge",
                "1 while the state cannot be written (every change is refused).",

@@ -63,7 +63,7 @@ class Config(compat.StrictModel):
     # them, in percent, above which they are withdrawn, below which they count as idle, and
     # for how long they must be idle before they are lent (again); how often the load is read
     lend_busy_percent: conint(strict=True, ge=1, le=100) = 20  # type: ignore[valid-type]
-    lend_idle_percent: conint(strict=True, ge=0, le=99) = 5  # type: ignore[valid-type]
+    lend_idle_percent: conint(strict=True, ge=1, le=99) = 5  # type: ignore[valid-type]
     lend_idle_seconds: confloat(ge=0.0, le=3600.0) = 2.0  # type: ignore[valid-type]
     lend_sample_ms: conint(strict=True, ge=10, le=1000) = 50  # type: ignore[valid-type]
     defaults: dict[str, Any] = Field(default_factory=dict)

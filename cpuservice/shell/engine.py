@@ -166,7 +166,8 @@ class Engine:
             else:
                 tx = reconcile.plan(before, self.specs(new, changed),
                                     old.ledger.exclusive | new.ledger.exclusive,
-                                    lending.shareable((old_topology, old), (self.topology, new)))
+                                    lending.shareable((old_topology, old), (self.topology, new)),
+                                    units.BORROW)
                 await reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
                                         self.effector)
             if change.durability is Durability.AFTER:
@@ -256,7 +257,8 @@ class Engine:
         # a dead slice of ours is stopped first, so that it can be started again
         stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
         tx = reconcile.plan(before, after, state.ledger.exclusive | held,
-                            lending.shareable((self.topology, state), (self.topology, state)))
+                            lending.shareable((self.topology, state), (self.topology, state)),
+                            units.BORROW)
         await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
 
     async def observe(self, after: Mapping[str, UnitSpec]

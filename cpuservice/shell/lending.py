@@ -9,9 +9,12 @@ a restart that lends them again withdraws them at its next samples)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
+import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -71,14 +74,28 @@ class Lending:
         self._sampled: float | None = None
         self._flushed = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+        # allocation -> when it was last made or released (forget): a decision taken before
+        # is not about the allocation of that name now
+        self._born: dict[str, int] = {}
+        self._births = itertools.count(1)
+
+    def forget(self, name: str) -> None:
+        """``name`` was released, or is a new allocation: what the loop knew under that name
+        (its idle time, its last reading) was another allocation's."""
+        self.lenders.pop(name, None)
+        self._last.pop(name, None)
+        self._born[name] = next(self._births)
 
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
 
     def ensure(self) -> None:
-        """Sample while some allocation lends (at startup, after an Allocate or SetLending)."""
-        if not self.running() and self._wanted():
-            self._task = asyncio.create_task(self._run())
+        """Sample while some allocation lends (at startup, after an Allocate or SetLending;
+        never again once the daemon stops). The loop runs in a context of its own: what it
+        commits is no caller's (journal.CALLER of whoever started it)."""
+        if not self._stopped and not self.running() and self._wanted():
+            self._task = asyncio.create_task(self._run(), context=contextvars.Context())
 
     def _wanted(self) -> bool:
         state = self.engine.state
@@ -87,9 +104,13 @@ class Lending:
     async def shutdown(self) -> None:
         """The daemon stops: no more samples, and nothing stays lent that no one watches (a
         restart lends again once the owners have been idle for lend_idle_seconds)."""
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
+        self._stopped = True
+        task, self._task = self._task, None
+        if task is not None:
+            async with self.engine.lock:  # a commit in flight ends first, and is recorded
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         state = self.engine.state
         names = sorted(n for n, r in state.records.items() if r.lent)
         if names:
@@ -148,13 +169,19 @@ class Lending:
                 lend.append(name)  # lent again, or its lendable cores changed while lent
         for name in set(self._last) - self.lenders.keys():
             del self._last[name]
+        units = {r.unit for r in state.records.values()}
+        for unit in set(self._groups) - units:
+            del self._groups[unit]
+        for name in set(self._born) - state.ledger.allocations.keys():
+            del self._born[name]  # a decision about it is stale all the same: born.get differs
+        born = {name: self._born.get(name) for name in withdraw + lend}
         # a commit that fails is tried again: the next samples find the state as it is
         # (still lent: withdrawn at the next busy sample; not lent: after the idle time again)
         try:
             if withdraw:
-                await self.commit(withdraw, Action.WITHDRAW, now, loads)
+                await self.commit(withdraw, Action.WITHDRAW, now, loads, born=born)
             if lend:
-                await self.commit(lend, Action.LEND, now, loads)
+                await self.commit(lend, Action.LEND, now, loads, born=born)
         except CPUServiceError as exc:
             log.warning("lending: %s %s failed: %s", "withdrawing from" if withdraw else
                         "lending", ", ".join(withdraw or lend), exc)
@@ -177,11 +204,13 @@ class Lending:
         return usage
 
     async def commit(self, names: Sequence[str], action: Action, detected: float,
-                     loads: dict[str, float | None], cause: str = "") -> None:
+                     loads: dict[str, float | None], cause: str = "",
+                     born: Mapping[str, int | None] | None = None) -> None:
         """Lend (or withdraw) the cores of ``names`` in one change, under the engine's lock,
         from the state as it is then. ``detected``: when the sample that decided was taken
         (a withdrawal's latency is counted from it); ``cause``: why, when it is not the
-        owners' load."""
+        owners' load; ``born``: the allocations' births when the sample decided (one made or
+        released since is left alone: the decision was about another allocation)."""
         async with self.engine.lock:
             state, topology = self.engine.state, self.engine.topology
             lent_now: dict[str, CPUSet] = {}
@@ -190,6 +219,8 @@ class Lending:
                 a = state.ledger.allocations.get(name)
                 record = state.records.get(name)
                 if a is None or record is None or self.skip(name):
+                    continue
+                if born is not None and born.get(name) != self._born.get(name):
                     continue
                 was = lending.lent(topology, state, name)
                 why = cause or _why(loads.get(name), action)
@@ -211,8 +242,10 @@ class Lending:
                 dict.fromkeys(lent_now, reason), notes=tuple(notes),
                 durability=Durability.FIRST if action is Action.LEND
                 else Durability.SERVE_READ_ONLY))
-        if action is Action.WITHDRAW and not cause:  # an owner that got busy
-            self.engine.counters.withdrawn(self.clock() - detected)
+        if action is Action.WITHDRAW and not cause:  # owners that got busy: one each
+            took = self.clock() - detected
+            for _ in lent_now:
+                self.engine.counters.withdrawn(took)
 
 
 def _why(load: float | None, action: Action) -> str:

@@ -147,7 +147,9 @@ class Service:
         return self._serials.setdefault(name, next(self._next_serial))
 
     def _forget_serial(self, name: str) -> None:
+        """``name`` is a new allocation, or none: its serial and what lending knew are gone."""
         self._serials.pop(name, None)
+        self.lending.forget(name)
 
     def _not_releasing(self, name: str) -> None:
         """Under the lock: refuse a call about an allocation whose slice is being stopped."""
@@ -277,7 +279,7 @@ class Service:
                         log.error("cannot start %s again after a failed release: %s",
                                   record.unit, exc)
                 raise
-            self._serials.pop(name, None)
+            self._forget_serial(name)
             await self.lifetime.unwatch(name)
 
     async def resize(self, name: str, cpus: str, serial: int | None = None,

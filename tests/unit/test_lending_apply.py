@@ -6,6 +6,7 @@ its lender's; a failure and a crash at every step of lend, withdraw and release-
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ from cpuservice.apply.reconcile import UnitSpec, plan
 from cpuservice.model import lending
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import SystemdFailure
+from cpuservice.model.state import State
 from cpuservice.shell.service import Service
-from tests.unit.fake_systemd import BORROW, Crash, violations
+from tests.unit.fake_systemd import BORROW, Crash, Unit, violations
 from tests.unit.test_reconcile import Recorder
 from tests.unit.test_service_fake import Host, agree, check_window, run
 
@@ -33,7 +35,7 @@ def test_lending_grows_the_borrow_slice_alone() -> None:
     before = {"cpuservice-shared.slice": _spec("0-3", False), BORROW: _spec("0-3", False),
               OWNER: _spec("4-7")}
     after = {**before, BORROW: _spec("0-7", False)}
-    tx = plan(before, after, CPUSet.parse("4-7"), CPUSet.parse("4-7"))
+    tx = plan(before, after, CPUSet.parse("4-7"), CPUSet.parse("4-7"), BORROW)
     assert [str(op) for op in tx.ops] == [f"set {BORROW} AllowedCPUs=0-7"]
 
 
@@ -46,7 +48,7 @@ def test_withdrawing_shrinks_the_borrow_slice_first() -> None:
     before = {**before, "cpuservice-shared.slice": _spec("0-1,3", False),
               BORROW: _spec("0-1,3-7", False)}
     exclusive = CPUSet.parse("2-7")
-    tx = plan(before, after, exclusive, CPUSet.parse("4-7"))
+    tx = plan(before, after, exclusive, CPUSet.parse("4-7"), BORROW)
     assert tx.ops[0].unit in (BORROW, "cpuservice-shared.slice")
     assert [op.unit for op in tx.ops].index(BORROW) < [op.unit for op in tx.ops].index(
         "cpuservice-bound-n.slice")
@@ -70,9 +72,27 @@ def test_no_unit_passes_through_a_lent_cpu() -> None:
                    for u in ("cpuservice-bound-a.slice", "cpuservice-bound-b.slice"))
 
     assert not passes_through_lent(plan(before, after, CPUSet.parse("1-4,6-7"),
-                                        CPUSet.parse("6-7")))
+                                        CPUSet.parse("6-7"), BORROW))
     # what plan() guards against: lent CPUs taken for CPUs nobody holds exclusively
     assert passes_through_lent(plan(before, after, CPUSet.parse("1-4")))
+
+
+def test_a_lent_cpu_is_shared_with_the_borrow_slice_only() -> None:
+    """Review of issue 26: the owner moves off its lent core (which goes back to the shared
+    pool) and a foreign unit that follows the pool, sorting before the owner's slice, gains
+    it: it waits for the owner to give it up. Only the borrow slice may hold a lent CPU
+    together with its owner."""
+    before = {"app.service": _spec("0-1", False), "cpuservice-shared.slice":
+              _spec("0-1", False), BORROW: _spec("0-1,4-5", False), OWNER: _spec("4-5")}
+    after = {"app.service": _spec("0-1,4-5", False), "cpuservice-shared.slice":
+             _spec("0-1,4-5", False), BORROW: _spec("0-1,4-5", False), OWNER: _spec("2-3")}
+    tx = plan(before, after, CPUSet.parse("2-5"), CPUSet.parse("4-5"), BORROW)
+    rec = Recorder(before)
+    asyncio.run(reconcile.execute(tx, rec))
+    for now in rec.timeline:
+        for cpu in CPUSet.parse("4-5"):
+            holders = {u for u, cpus in now.items() if cpu in cpus} - {BORROW}
+            assert len(holders) <= 1 or OWNER not in holders, [str(op) for op in tx.ops]
 
 
 # ---- through the engine, on the fake systemd ----
@@ -221,3 +241,31 @@ def test_a_failure_or_a_crash_at_every_step(tmp_path: Path, what: str) -> None:
                     assert not host.fake.cpus(BORROW) - svc.ledger.shared
                 check_window(host.fake, mark, exclusive | owner, lent=lent)
             run(body)
+
+def test_moving_a_lent_owner_wholly_keeps_the_ordering_rule(tmp_path: Path) -> None:
+    """Review of issue 26: a lending owner moved off its lent core (defragment, repack), the
+    core back to the shared pool: a foreign unit following the pool (app.service sorts before
+    the owner's slice) must not get the old core while the owner still holds it."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        host.fake.units["app.service"] = Unit("app.service")
+        svc = await host.service()
+        await svc.allocate("app", "1", {"unit": "app.service"}, 0)
+        await svc.allocate("o", "2", {**LEND, "movable": "anywhere"}, 0)
+        await lend(svc)
+        o = svc.ledger.allocations["o"]
+        old, free = o.whole, svc.ledger.shared
+        core = next(svc.topology.siblings(c) for c in free
+                    if svc.topology.siblings(c) <= free and not svc.topology.siblings(c) & old)
+        mark = host.fake.mark()
+        async with svc.lock:  # what a defragment/repack move commits
+            ledger = svc.ledger.without("o").with_allocation(replace(o, whole=core))
+            await svc.engine.apply(Change(State(ledger, svc.state.records), frozenset({"o"}),
+                                          {"o": "moved"}))
+        agree(svc, host.fake)
+        bad = [(i, sorted(units)) for i, now in enumerate(host.fake.timeline[mark[0]:])
+               for cpu in old
+               if len(units := {u for u, cpus in now.items() if cpu in cpus} - {BORROW}) > 1
+               and OWNER in units]
+        assert bad == []
+    run(body)

@@ -277,6 +277,95 @@ def test_a_stopping_daemon_leaves_nothing_lent(tmp_path: Path) -> None:
     run(body)
 
 
+def test_a_stop_during_a_lend_in_flight_leaves_nothing_lent(tmp_path: Path) -> None:
+    """Review of issue 26: SIGTERM while the loop's lend waits for systemd's reply (systemd
+    has done it, the checkpoint says lent): the drain waits for that commit, then withdraws."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await lender(host)
+        owner = svc.ledger.allocations["o"].whole
+        fake, original = host.fake, host.fake.set_properties
+        reply, applied = asyncio.Event(), asyncio.Event()
+
+        async def slow(unit: str, props: Any, *args: Any, **kwargs: Any) -> None:
+            await original(unit, props, *args, **kwargs)
+            if unit == BORROW:
+                applied.set()
+                await reply.wait()  # the reply is on its way
+
+        fake.set_properties = slow  # type: ignore[method-assign]
+        loop = svc.lending
+        if loop._task is not None:
+            loop._task.cancel()
+        loop._task = asyncio.create_task(loop.commit(["o"], lending.Action.LEND, host.clock, {}))
+        await applied.wait()
+        stopping = asyncio.create_task(loop.shutdown())  # the daemon's drain
+        await asyncio.sleep(0.01)
+        reply.set()
+        await stopping
+        assert not fake.cpus(BORROW) & owner, "still lent after the drain"
+        loop.ensure()  # an Allocate or SetLending during the drain starts nothing
+        assert not loop.running()
+        again = await host.service()
+        assert not again.record("o").lent, "the checkpoint says lent after a clean stop"
+    run(body)
+
+
+def test_a_new_allocation_of_the_same_name_waits_its_own_idle_time(tmp_path: Path) -> None:
+    """Review of issue 26: o idles without being lent yet, is released and allocated again (a
+    new allocation): it must be idle lend_idle_seconds of its own before it lends."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await lender(host)
+        await svc.allocate("p", "2", LEND, 1000)  # another lender: the loop goes on
+        host.usage[group(svc, "p")] = 0
+        await tick(host, svc, n=21)  # the first reading and 1.25 s idle
+        assert not svc.record("o").lent
+        await svc.release("o")
+        await svc.allocate("o", "4", LEND, 1000)
+        born = host.clock
+        await tick(host, svc, n=30)
+        assert host.clock - born < 2.0
+        assert not svc.record("o").lent
+        await tick(host, svc, n=4)
+        assert svc.record("o").lent
+    run(body)
+
+
+def test_the_loop_acts_in_nobody_s_name(tmp_path: Path) -> None:
+    """Review of issue 26: the loop started by uid 4242's SetLending writes its later entries
+    without a caller (they are the daemon's, not 4242's)."""
+    from cpuservice.host import journal
+
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        gate: asyncio.Queue[None] = asyncio.Queue()
+
+        async def step_sleep(_: float) -> None:
+            await gate.get()
+
+        svc.lending.sleep = step_sleep
+        svc.engine.audit = rec = AuditRecorder()
+
+        async def as_caller() -> None:
+            journal.CALLER.set(4242)
+            await svc.set_lending("o", True)
+
+        await svc.allocate("o", "4", {"bind": True}, 1000)
+        await asyncio.create_task(as_caller())
+        host.usage[group(svc, "o")] = 0
+        for _ in range(40):
+            host.clock += SAMPLE
+            gate.put_nowait(None)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        lent = [e for e in rec.events if e.kind == Kind.LENT]
+        assert lent and dict(lent[0].extra).get("CALLER_UID") is None, lent
+        await svc.lending.shutdown()
+    run(body)
+
+
 # ---- random sequences ----
 
 OPTIONS = {"bind": {"bind": True}, "lend": LEND, "borrow": {"borrow": True}, "unbound": {}}
