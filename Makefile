@@ -5,6 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
+        bench-lending \
         run man deb
 
 setup:
@@ -80,6 +81,10 @@ bench-partition:
 
 bench-irq:
 	PYTHONPATH=$(CURDIR) $(PY) bench/irq.py
+
+# VM lab: an owner's cyclictest latency unlent/lent, the borrower's harvest, withdrawal time
+bench-lending:
+	PYTHONPATH=$(CURDIR) $(PY) bench/lending.py
 
 deb:
 	bash scripts/build-deb.sh

@@ -119,8 +119,15 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     notifier.start_watchdog()
     if textfile is not None:
         textfile.write()
+    async def drain() -> None:
+        try:  # nothing stays lent that no one watches (a restart lends again when idle)
+            await service.lending.shutdown()
+        except Exception as exc:  # the next start derives it from the checkpoint
+            log.warning("stopping with CPUs still lent: %s", exc)
+        await kernel.settle()
+
     try:
-        return await until_stopped(bus, loop, notifier, kernel.settle)
+        return await until_stopped(bus, loop, notifier, drain)
     finally:
         notifier.stop_watchdog()
         if textfile is not None:
@@ -130,8 +137,9 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
 async def until_stopped(bus: MessageBus, loop: asyncio.AbstractEventLoop,
                         notifier: notify.Notifier,
                         drain: Callable[[], Awaitable[None]] | None = None) -> int:
-    """Serve until SIGTERM/SIGINT or the bus is lost; on a stop, ``drain`` (the kernel
-    holders' give-back still to write) gets a few seconds while the bus is still there."""
+    """Serve until SIGTERM/SIGINT or the bus is lost; on a stop, ``drain`` (lent CPUs to
+    withdraw, the kernel holders' give-back still to write) gets a few seconds while the bus is
+    still there."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -147,7 +155,7 @@ async def until_stopped(bus: MessageBus, loop: asyncio.AbstractEventLoop,
         try:
             await asyncio.wait_for(drain(), DRAIN_SECONDS)
         except Exception as exc:  # stopping anyway: startup writes what is missing
-            log.warning("stopping before the interrupts got every CPU back: %s", exc)
+            log.warning("stopping before every CPU was given back: %s", exc)
     bus.disconnect()
     return 0
 

@@ -13,7 +13,8 @@ CPUSERVICE_UNIT, CPUSERVICE_STATE, CPUSERVICE_REASON, CPUSERVICE_CALLER_UID (who
 change a D-Bus caller asked for), and OBJECT_SYSTEMD_UNIT (so that
 ``journalctl -u cpuservice-bound-NAME.slice`` shows them too: journalctl matches that field
 from root's processes). Kind-specific: CPUSERVICE_SCOPE and CPUSERVICE_PIDS (attached),
-CPUSERVICE_LOST and CPUSERVICE_GAINED (repaired), CPUSERVICE_SOURCE (restored).
+CPUSERVICE_LOST and CPUSERVICE_GAINED (repaired), CPUSERVICE_SOURCE (restored), CPUSERVICE_OLD
+and CPUSERVICE_NEW (moved), CPUSERVICE_LENT (lent), CPUSERVICE_WITHDRAWN (withdrawn).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ class Kind(StrEnum):
     REPAIRED = "repaired"
     RESTORED = "restored"
     MOVED = "moved"
+    LENT = "lent"
+    WITHDRAWN = "withdrawn"
 
 
 # One 128-bit id per kind, never to change (journalctl MESSAGE_ID=...); listed in cpuserviced(8).
@@ -55,6 +58,8 @@ MESSAGE_IDS: Mapping[Kind, str] = MappingProxyType({
     Kind.REPAIRED: "dcd00964a443408b9885251f81f2bf2c",
     Kind.RESTORED: "67893f84c0134d46aa3ce5b4b271542d",
     Kind.MOVED: "1c704dcf36414be9b04ca45da7747761",
+    Kind.LENT: "4ee815ce83674ed694a5eb7e64f06d41",
+    Kind.WITHDRAWN: "e1994a7e6c7c49a2930314a0e5974293",
 })
 
 
@@ -95,6 +100,10 @@ class Event:
             text += f", PIDs {details.get('PIDS', '')} in {details.get('SCOPE', '')}"
         if self.kind == Kind.MOVED:
             text += f", from CPUs {details.get('OLD', '')}"
+        if self.kind == Kind.LENT:
+            text += f", lends CPUs {details.get('LENT', '')} to borrowers"
+        if self.kind == Kind.WITHDRAWN:
+            text += f", took CPUs {details.get('WITHDRAWN', '')} back from borrowers"
         return f"{text} ({self.reason})" if self.reason else text
 
     def fields(self) -> dict[str, str]:

@@ -20,6 +20,9 @@ Revalidate and hotplug repair. The ordering rule, stated once:
          Units that wait for each other (two that swap CPUs, a longer cycle) pass through the
          non-exclusive CPUs (the shared pool's): one of them moves there first (a partition
          stops being one before), the others follow, it goes last.
+    The one exception: a CPU its owner lends (cpuservice.model.lending) may be in the owner's
+    unit and the borrow slice at once; it is lent by growing the borrow slice (step 3) and
+    withdrawn by shrinking it (step 1), and nothing ever passes through it.
     An empty AllowedCPUs is never written as a target (systemd reads it as "no restriction");
     a unit that would keep nothing goes straight from its old CPUs to its new ones in step 3.
     Only a restore (or an undo) writes a unit's own earlier value back, whatever it was.
@@ -33,87 +36,25 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from enum import StrEnum
+from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
+from cpuservice.apply.ops import CPUS as CPUS
+from cpuservice.apply.ops import NOT_PARTITION as NOT_PARTITION
+from cpuservice.apply.ops import PARTITION as PARTITION
+from cpuservice.apply.ops import Kind as Kind
+from cpuservice.apply.ops import Op as Op
+from cpuservice.apply.ops import Transaction as Transaction
+from cpuservice.apply.ops import Units as Units
+from cpuservice.apply.ops import UnitSpec as UnitSpec
+from cpuservice.apply.ops import mask as _mask
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.props import Props
 
 log = logging.getLogger(__name__)
 
-CPUS = "AllowedCPUs"
-PARTITION = "CPUSetPartition"
-NOT_PARTITION = ("", "member")
-
-
-@dataclass(frozen=True)
-class UnitSpec:
-    """One unit as cpuservice wants systemd to hold it. ``own``: a transient slice cpuservice
-    starts and stops; otherwise an existing unit whose properties it only sets, and sets back to
-    ``restore`` when the unit is no longer cpuservice's."""
-
-    props: Props
-    own: bool = True
-    restore: Props = field(default_factory=dict)
-    forget: tuple[str, ...] = ()  # runtime overrides of a foreign unit to remove on restore
-
-    @property
-    def cpus(self) -> CPUSet | None:
-        """The AllowedCPUs this unit is given (None: not set, it inherits its parent's)."""
-        value = self.props.get(CPUS)
-        return None if value is None else CPUSet.from_mask(bytes(value[1]))
-
-
-Units = Mapping[str, UnitSpec]
-
-
-class Kind(StrEnum):
-    START = "start"  # StartTransientUnit with props; undo: stop
-    SET = "set"  # SetUnitProperties props; undo: set undo_props
-    STOP = "stop"  # StopUnit; undo: start again with undo_props
-    RESTORE = "restore"  # SetUnitProperties of a foreign unit's saved values, then remove the
-    # runtime overrides cpuservice made where the unit had none (forget); undo: set undo_props
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: Kind
-    unit: str
-    props: Props = field(default_factory=dict)
-    undo_props: Props = field(default_factory=dict)
-    forget: tuple[str, ...] = ()
-    adopt: bool = False  # a SET that makes a foreign unit cpuservice's: undone by a RESTORE
-    keep: bool = False  # never undone (an Attach scope: stopping it would kill what it holds)
-
-    def __str__(self) -> str:
-        return f"{self.kind.value} {self.unit} {_show(self.props)}".rstrip()
-
-
-@dataclass(frozen=True)
-class Transaction:
-    ops: tuple[Op, ...]
-
-    def __bool__(self) -> bool:
-        return bool(self.ops)
-
-
-def _show(props: Props) -> str:
-    parts = []
-    for name, (sig, value) in props.items():
-        shown = CPUSet.from_mask(bytes(value)).format() if sig == "ay" else value
-        parts.append(f"{name}={shown}")
-    return " ".join(parts)
-
-
-def _mask(cpus: CPUSet) -> tuple[str, bytes]:
-    return ("ay", cpus.to_mask())
-
-
 def _same(sig: str, a: Any, b: Any) -> bool:
-    if sig == "ay":
-        return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b))
-    return bool(a == b)
+    return CPUSet.from_mask(bytes(a)) == CPUSet.from_mask(bytes(b)) if sig == "ay" else a == b
 
 
 def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
@@ -125,12 +66,24 @@ def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
     return out
 
 
-def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
+def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
+         lent: CPUSet = EMPTY, sharer: str = "") -> Transaction:
     """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
     that are whole CPUs of a bound allocation before or after (the ones the rule protects);
-    units are otherwise allowed to share CPUs (the shared pool, fragment CPUs)."""
+    units are otherwise allowed to share CPUs (the shared pool, fragment CPUs). ``lent``: those
+    lent (lending.shareable), which the unit ``sharer`` (the borrow slice) may hold besides the
+    one other unit that holds them (their owner's): they are protected from every other unit
+    as usual."""
     ops: list[Op] = []
-    holding: dict[str, CPUSet] = {u: s.cpus for u, s in before.items() if s.cpus is not None}
+    unsafe = exclusive | lent
+
+    def claim(unit: str, cpus: CPUSet) -> CPUSet:
+        """What a unit's CPUs are, for the rule: the sharer's lent ones are nobody's."""
+        return cpus - lent if unit == sharer else cpus
+
+    # what each unit holds, as the rule sees it (claim)
+    holding: dict[str, CPUSet] = {u: claim(u, s.cpus) for u, s in before.items()
+                                  if s.cpus is not None}
     # what each unit holds just before each step: an operation's undo writes back these values,
     # not the ones from before the whole change, so that undoing in reverse passes through the
     # same states as doing (and keeps the ordering rule)
@@ -157,7 +110,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
         keep = was & will
         if keep:
             ops.append(Op(Kind.SET, unit, {CPUS: _mask(keep)}, {CPUS: _mask(was)}))
-            holding[unit] = keep
+            holding[unit] = claim(unit, keep)
             shrunk(unit, keep)
 
     # 2. units that are no longer ours
@@ -176,13 +129,14 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     # CPUs any unit may hold for a moment (the shared pool's): of the units after the change,
     # so online ones (before a hotplug repair, units may name CPUs that went offline)
     mentioned = CPUSet.union_all(c for spec in after.values() if (c := spec.cpus) is not None)
-    parking = mentioned - exclusive
+    parking = mentioned - unsafe
     while pending:
-        ready = [u for u in pending if not _waits(u, after[u].cpus, pending, holding, exclusive)]
+        wants = {u: None if (c := after[u].cpus) is None else claim(u, c) for u in pending}
+        ready = [u for u in pending if not _waits(u, wants[u], pending, holding, exclusive)]
         if not ready:
             # units that swap CPUs, or a longer cycle: one of them moves to the parking CPUs
             # first (a partition stops being one before), the others follow, it last
-            parked = _park(pending, after, now, holding, exclusive, parking)
+            parked = _park(pending, wants, now, holding, exclusive, parking)
             if parked is None:
                 log.error("reconcile: units %s wait for each other's CPUs and no CPU is free "
                           "to pass through; applying in name order", ", ".join(pending))
@@ -193,7 +147,7 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
         for unit in ready:
             pending.remove(unit)
             ops.extend(_final(unit, now.get(unit), after[unit]))
-            will = after[unit].cpus
+            will = wants[unit]
             if will is None:
                 holding.pop(unit, None)
             else:
@@ -201,8 +155,9 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY) -> Transaction:
     return Transaction(tuple(ops))
 
 
-def _park(pending: Sequence[str], after: Units, now: dict[str, UnitSpec],
-          holding: dict[str, CPUSet], exclusive: CPUSet, parking: CPUSet) -> list[Op] | None:
+def _park(pending: Sequence[str], wants: Mapping[str, CPUSet | None],
+          now: dict[str, UnitSpec], holding: dict[str, CPUSet], exclusive: CPUSet,
+          parking: CPUSet) -> list[Op] | None:
     """Break a cycle of units waiting for each other's exclusive CPUs: the first unit that holds
     exclusive CPUs another one waits for (one that is not a partition, when there is one) moves
     to ``parking`` (non-exclusive CPUs); ``now`` and ``holding`` follow. None: nothing to
@@ -212,7 +167,7 @@ def _park(pending: Sequence[str], after: Units, now: dict[str, UnitSpec],
 
     def waited_for(unit: str) -> bool:
         held = holding[unit] & exclusive
-        return any(v != unit and (after[v].cpus or EMPTY) & held for v in pending)
+        return any(v != unit and (wants[v] or EMPTY) & held for v in pending)
 
     blocking = [u for u in pending if u in holding and waited_for(u)]
     if not blocking:
@@ -286,10 +241,35 @@ class Batching(Effector, Protocol):
     async def set_many(self, writes: Mapping[str, Props]) -> None: ...
 
 
+def _moves(op: Op) -> tuple[CPUSet, CPUSet] | None:
+    """The CPUs a SET gives its unit and those it takes away ((EMPTY, EMPTY): it changes no
+    CPU; None: not known, its unit had no AllowedCPUs of its own before)."""
+    if CPUS not in op.props:
+        return EMPTY, EMPTY
+    if CPUS not in op.undo_props:
+        return None
+    will, was = (CPUSet.from_mask(bytes(p[CPUS][1])) for p in (op.props, op.undo_props))
+    return will - was, was - will
+
+
+def _independent(a: Op, b: Op) -> bool:
+    """Whether two SETs of a plan may run in either order: neither gives a CPU the other takes
+    away (so no order passes through a state the plan's own does not allow), and neither is a
+    partition's or an adoption."""
+    if a.adopt or b.adopt or PARTITION in a.props or PARTITION in b.props:
+        return False
+    ma, mb = _moves(a), _moves(b)
+    if ma is None or mb is None:
+        return ma == (EMPTY, EMPTY) or mb == (EMPTY, EMPTY)
+    return not (ma[0] & mb[1] or mb[0] & ma[1])
+
+
 def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
     """The operations as the effector runs them: one each, consecutive batched SETs of distinct
-    units together (one call), and consecutive STARTs of distinct units together (issued at
-    once: new units wait for nobody, so none waits for another's job)."""
+    units together (one call), consecutive STARTs of distinct units together (issued at
+    once: new units wait for nobody, so none waits for another's job), and consecutive SETs of
+    distinct units that do not depend on each other's order together (issued at once: the
+    shrinking holders of the shared pool, say)."""
     out: list[list[Op]] = []
     batched = effector.batched if isinstance(effector, Batching) else lambda unit: False
 
@@ -298,7 +278,11 @@ def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
             return False
         if op.kind is Kind.START:
             return True
-        return op.kind is Kind.SET and batched(op.unit) and batched(group[0].unit)
+        if op.kind is not Kind.SET:
+            return False
+        if batched(op.unit) or batched(group[0].unit):
+            return batched(op.unit) and batched(group[0].unit)
+        return all(_independent(op, o) for o in group)
 
     for op in ops:
         if out and joins(op, out[-1]):
@@ -348,15 +332,17 @@ async def execute(tx: Transaction, effector: Effector) -> None:
     done: list[Op] = []
     for group in groups(tx.ops, effector):
         op = group[0]
+        together = len(group) > 1 and not (isinstance(effector, Batching)
+                                           and effector.batched(op.unit))
         try:
-            if len(group) > 1 and op.kind is Kind.START:
-                await _start_all(effector, group, done)
+            if together:
+                await _run_all(effector, group, done)
             elif len(group) > 1 and isinstance(effector, Batching):
                 await effector.set_many({o.unit: o.props for o in group})
             else:
                 await run_op(effector, op)
         except Exception as exc:
-            if isinstance(exc, _StartFailed):
+            if isinstance(exc, _PartFailed):
                 op, exc = exc.op, exc.cause
             log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
             # a batched write (the kernel's interrupts and workqueues) may have been done in
@@ -371,29 +357,29 @@ async def execute(tx: Transaction, effector: Effector) -> None:
                     log.error("undo of '%s' failed: %s", earlier, again)
                     clean = False
             raise Failed(exc, op, clean) from exc
-        if not (len(group) > 1 and op.kind is Kind.START):
+        if not together:
             done.extend(group)
 
 
-class _StartFailed(Exception):
+class _PartFailed(Exception):
     def __init__(self, op: Op, cause: Exception) -> None:
         super().__init__(str(cause))
         self.op, self.cause = op, cause
 
 
-async def _start_all(effector: Effector, group: Sequence[Op], done: list[Op]) -> None:
-    """Start the units of ``group`` at once (none waits for another's job); the ones that
-    started join ``done``, in the group's order, whatever happens to the others. The first
-    failure is raised as _StartFailed; a crash (a BaseException) as it is, undoing nothing."""
+async def _run_all(effector: Effector, group: Sequence[Op], done: list[Op]) -> None:
+    """Run the operations of ``group`` at once (none waits for another's job); the ones that
+    were done join ``done``, in the group's order, whatever happens to the others. The first
+    failure is raised as _PartFailed; a crash (a BaseException) as it is, undoing nothing."""
     results = await asyncio.gather(*(run_op(effector, o) for o in group),
                                    return_exceptions=True)
-    failed: _StartFailed | None = None
+    failed: _PartFailed | None = None
     for o, result in zip(group, results, strict=True):
         if result is None:
             done.append(o)
         elif not isinstance(result, Exception):
             raise result
         elif failed is None:
-            failed = _StartFailed(o, result)
+            failed = _PartFailed(o, result)
     if failed is not None:
         raise failed

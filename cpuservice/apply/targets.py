@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from cpuservice import placement
 from cpuservice.apply import partitions, units
 from cpuservice.apply.reconcile import UnitSpec
+from cpuservice.model import lending
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.request import Request
@@ -21,6 +22,12 @@ from cpuservice.model.topology import Topology
 def own_slice(record: Record) -> bool:
     """Whether the allocation has its own slice (foreign units never start with cpuservice)."""
     return units.is_own(record.unit)
+
+
+def slice_of(name: str, request: Request) -> str:
+    """The slice of an allocation of its own made with ``request``."""
+    return units.slice_name(name, request.options.bind, partition_of_request(request),
+                            request.options.borrow)
 
 
 def partition_of_request(request: Request) -> str:
@@ -77,9 +84,12 @@ class Targets:
             self._undo.cleared = True
 
     def specs(self, topology: Topology, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
-        """The shared pool's holders and the named allocations' units."""
+        """The shared pool's holders (the borrow slice holds the lent CPUs too) and the named
+        allocations' units."""
         out = {u: UnitSpec(units.shared_props(state.ledger.shared), own=False)
                for u in self.shared_units}
+        out[units.BORROW] = UnitSpec(units.shared_props(lending.borrowed(topology, state)),
+                                     own=False)
         for name in names:
             if name in state.ledger.allocations:
                 record = state.records.get(name, Record())

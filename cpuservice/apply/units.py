@@ -5,8 +5,10 @@ Layout: ``cpuservice.slice`` > ``cpuservice-shared.slice`` (AllowedCPUs = the sh
 and ``cpuservice.slice`` > ``cpuservice-bound.slice`` > ``cpuservice-bound-<name>.slice`` per
 bound allocation (AllowedCPUs, plus quota and weight when fractional). A bound allocation with a
 cpuset partition (option ``partition``) has ``cpuservice_partition_<name>.slice`` instead, directly
-below the root (see cpuservice.apply.partitions). With the ``unit`` option the allocation's
-properties go to that unit instead.
+below the root (see cpuservice.apply.partitions). An unbound allocation with option ``borrow``
+has ``cpuservice-borrow-<name>.slice`` below ``cpuservice-borrow.slice`` (CPUWeight=idle in its
+unit file; AllowedCPUs = the shared pool and every CPU lent now, see cpuservice.model.lending).
+With the ``unit`` option the allocation's properties go to that unit instead.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ ROOT = "cpuservice.slice"
 PARTITION_PREFIX = "cpuservice_partition_"  # a top-level slice: no '-' of its own
 SHARED = "cpuservice-shared.slice"
 BOUND = "cpuservice-bound.slice"
+BORROW = "cpuservice-borrow.slice"  # the borrowers': the shared pool and the lent CPUs
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
 NO_QUOTA = 2**64 - 1
 _PLAIN = re.compile(r"[A-Za-z0-9_:]")
@@ -56,11 +59,14 @@ def unescape(text: str) -> str:
     )
 
 
-def slice_name(name: str, bound: bool, partition: str = partitions.NONE) -> str:
-    """The slice of an allocation of its own (a partition's is a top-level slice)."""
+def slice_name(name: str, bound: bool, partition: str = partitions.NONE,
+               borrow: bool = False) -> str:
+    """The slice of an allocation of its own (a partition's is a top-level slice; a
+    borrower's is below cpuservice-borrow.slice)."""
     if partition != partitions.NONE:
         return f"{PARTITION_PREFIX}{escape(name)}.slice"
-    return f"cpuservice-{'bound' if bound else 'shared'}-{escape(name)}.slice"
+    kind = "bound" if bound else "borrow" if borrow else "shared"
+    return f"cpuservice-{kind}-{escape(name)}.slice"
 
 
 def is_own(unit: str) -> bool:
@@ -75,11 +81,12 @@ def name_of_slice(unit: str) -> tuple[str, bool] | None:
     if unit.startswith(PARTITION_PREFIX) and unit.endswith(".slice"):
         name = unescape(unit[len(PARTITION_PREFIX):-len(".slice")])
         return (name, True) if name and slice_name(name, True, "root") == unit else None
-    m = re.fullmatch(r"cpuservice-(bound|shared)-(.+)\.slice", unit)
+    m = re.fullmatch(r"cpuservice-(bound|shared|borrow)-(.+)\.slice", unit)
     if not m:
         return None
     name, bound = unescape(m.group(2)), m.group(1) == "bound"
-    return (name, bound) if slice_name(name, bound) == unit else None
+    same = slice_name(name, bound, borrow=m.group(1) == "borrow") == unit
+    return (name, bound) if same else None
 
 
 UNIT_NAME_MAX = 255  # systemd refuses longer unit names
@@ -94,7 +101,7 @@ def attach_scope(name: str, tag: str, n: int) -> str:
 def check_unit_names(name: str) -> None:
     """InvalidArgument when an allocation's units would have names systemd refuses (each ``-``
     of the name takes four characters once escaped)."""
-    longest = max(len(slice_name(name, True)), len(f"cpuservice-{escape(name)}")
+    longest = max(len(slice_name(name, False, borrow=True)), len(f"cpuservice-{escape(name)}")
                   + _SCOPE_SUFFIX_MAX)
     if longest > UNIT_NAME_MAX:
         raise InvalidArgument(
@@ -170,9 +177,10 @@ def describe(name: str, fields: Mapping[str, str]) -> str:
 
 
 # the options a Description always records, in this order, and those it records when set
-# (a partition, explicit CPUs, movable: so that Descriptions written before they existed stay
-# the same), after the owner and the whole CPUs
-OPTIONAL = tuple(o for o in OPTIONS if o.key in ("partition", "cpuset", "movable"))
+# (a partition, explicit CPUs, movable, lend, borrow: so that Descriptions written before they
+# existed stay the same), after the owner and the whole CPUs
+OPTIONAL = tuple(o for o in OPTIONS
+                 if o.key in ("partition", "cpuset", "movable", "lend", "borrow"))
 DESCRIBED = tuple(o for o in OPTIONS if o.described and o not in OPTIONAL)
 
 
@@ -190,6 +198,9 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
         fields["cpuset"] = a.request.cpuset.format()
     if opts.movable != Movable.NO:
         fields["movable"] = str(opts.movable)
+    for flag in ("lend", "borrow"):
+        if getattr(opts, flag):
+            fields[flag] = "true"
     if a.fragment:
         fields["fragment"] = f"{a.fragment.cpu}:{a.fragment.pieces}"
     return fields
@@ -202,7 +213,9 @@ def from_description(fields: Mapping[str, str], unit: str) -> tuple[Allocation, 
     options: dict[str, Any] = {}
     for spec in (*DESCRIBED, *OPTIONAL):
         if spec.kind is OptionKind.FLAG:
-            options[spec.key] = fields[spec.key] == "true"
+            # a flag that is recorded only when set is off where it is missing
+            options[spec.key] = (fields[spec.key] if spec in DESCRIBED
+                                 else fields.get(spec.key, "false")) == "true"
         elif spec.key in fields:
             options[spec.key] = fields[spec.key]
     request = Request.build(Decimal(fields["cpus"]), parse_options(options))

@@ -8,23 +8,28 @@ from typing import Any
 from cpuservice import placement
 from cpuservice.apply import partitions
 from cpuservice.apply.units import NO_QUOTA
+from cpuservice.model import lending
 from cpuservice.model.alignment import misalignment
+from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
 
 # Manager properties that change at runtime, with where they come from; Topology is announced
 # as invalidated (a large value), the rest with their values.
-MANAGER_CHANGING = ("OnlineCPUs", "IsolatedCPUs", "SharedCPUs", "ExclusiveCPUs", "FragmentCPUs")
+MANAGER_CHANGING = ("OnlineCPUs", "IsolatedCPUs", "SharedCPUs", "ExclusiveCPUs", "FragmentCPUs",
+                    "LentCPUs")
 
 
-def manager(ledger: Ledger) -> dict[str, Any]:
+def manager(ledger: Ledger, lent: CPUSet = EMPTY) -> dict[str, Any]:
+    """The Manager's changing properties (``lent``: the CPUs lent now, lending.all_lent)."""
     return {
         "OnlineCPUs": ledger.online.format(),
         "IsolatedCPUs": ledger.isolated.format(),
         "SharedCPUs": ledger.shared.format(),
         "ExclusiveCPUs": ledger.exclusive.format(),
         "FragmentCPUs": ledger.fragment.format(),
+        "LentCPUs": lent.format(),
     }
 
 
@@ -40,9 +45,12 @@ def allocation(topology: Topology, state: State, name: str,
     health = "; ".join(filter(None, (short(a, state.ledger.granularity),
                                      partitions.degraded(made, partition))))
     why = misalignment(topology, a)
+    opts = a.request.options
+    # a borrower runs on the shared pool and on every CPU lent now
+    cpus = lending.borrowed(topology, state) if opts.borrow else p.cpus
     return {
         "Name": name, "CPUs": str(a.request.cpus), "Bound": a.bound,
-        "CPUSet": p.cpus.format(), "Shares": dict(p.shares),
+        "CPUSet": cpus.format(), "Shares": dict(p.shares),
         "CPUQuotaPerSecUSec": NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec,
         "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
         "Unit": record.unit, "Owner": record.owner,
@@ -50,7 +58,8 @@ def allocation(topology: Topology, state: State, name: str,
         "Health": "degraded" if health else "ok", "HealthReason": health,
         "Aligned": not why, "AlignmentReason": "; ".join(why),
         "Lifetime": a.request.options.lifetime,
-        "Movable": str(a.request.options.movable),
+        "Movable": str(opts.movable),
+        "Lending": opts.lend, "LentCPUs": lending.lent(topology, state, name).format(),
         **partitions.views(wanted, partition),
     }
 

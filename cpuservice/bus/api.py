@@ -38,6 +38,7 @@ from cpuservice.host.authz import (
     RateLimit,
     may_move,
 )
+from cpuservice.model import lending
 from cpuservice.model.errors import (
     InvalidArgument,
     LimitExceeded,
@@ -167,6 +168,13 @@ class Manager(Callers, ServiceInterface):
 
     @method()
     @boundary
+    async def SetLending(self, name: "s", lend: "b") -> None:
+        uid, serial = await self.authorize_for(name)
+        await self.count_change(uid)
+        await self.service.set_lending(name, lend, serial)
+
+    @method()
+    @boundary
     async def Defragment(self, dry_run: "b") -> "a(sss)":
         await self.authorize(MANAGE)
         moves = await self.service.defragment(dry_run)
@@ -290,6 +298,11 @@ class Manager(Callers, ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def FragmentCPUs(self) -> "s":
         return self.service.ledger.fragment.format()
+
+    @dbus_property(access=PropertyAccess.READ)
+    def LentCPUs(self) -> "s":
+        snap = self.service.snapshot()
+        return lending.all_lent(snap.topology, snap.state).format()
 
     @dbus_property(access=PropertyAccess.READ)
     def Granularity(self) -> "u":

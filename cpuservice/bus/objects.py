@@ -126,7 +126,8 @@ def plain_options(options: dict[str, Variant]) -> dict[str, Any]:
 ALLOCATION_SIGNATURES = {
     "Name": "s", "CPUs": "s", "Bound": "b", "CPUSet": "s", "Shares": "a{uu}",
     "CPUQuotaPerSecUSec": "t", "CPUWeight": "t", "MemoryNodes": "s", "Unit": "s", "Owner": "u",
-    "State": "s", "Lifetime": "s", "Movable": "s", "Partition": "s", "PartitionState": "s",
+    "State": "s", "Lifetime": "s", "Movable": "s", "Lending": "b", "LentCPUs": "s",
+    "Partition": "s", "PartitionState": "s",
     "Health": "s", "HealthReason": "s", "Aligned": "b", "AlignmentReason": "s",
 }
 
@@ -216,6 +217,14 @@ class Allocation(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def Movable(self) -> "s":
         return self.values()["Movable"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def Lending(self) -> "b":
+        return self.values()["Lending"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def LentCPUs(self) -> "s":
+        return self.values()["LentCPUs"]
 
     @dbus_property(access=PropertyAccess.READ)
     def Partition(self) -> "s":

@@ -19,7 +19,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cpuservice import __version__
-from cpuservice.cli import ctl_export, ctl_moves, topoview
+from cpuservice.cli import ctl_export, ctl_lending, ctl_moves, topoview
 from cpuservice.cli.client import (
     ALLOCATION,
     DEST,
@@ -54,7 +54,8 @@ from cpuservice.cli.options import add_option_args, options_of
 from cpuservice.host import dbuscall
 from cpuservice.model.cpuset import CPUSet
 
-WRITES = ("allocate", "release", "resize", "revalidate", *ctl_moves.COMMANDS)
+WRITES = ("allocate", "release", "resize", "revalidate", *ctl_moves.COMMANDS,
+          *ctl_lending.COMMANDS)
 PAGED = ("status", "list", "show", "plan", "topology")
 
 
@@ -125,6 +126,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("watch", help="follow the service's changes, one line per event")
     sub.add_parser("revalidate", help="re-read the topology now and repair")
     ctl_moves.add_parsers(sub)
+    ctl_lending.add_parsers(sub)
     ctl_export.add_parser(sub)
     return p
 
@@ -227,8 +229,7 @@ async def _topology(c: Client, args: argparse.Namespace) -> int:
     if _json(args):
         _print_json({"topology": topology, "allocations": allocations}, args)
         return 0
-    pools = topoview.Pools(*(CPUSet.parse(props[k]) for k in
-                             ("OnlineCPUs", "ReservedCPUs", "IsolatedCPUs", "SharedCPUs")))
+    pools = topoview.Pools(*(CPUSet.parse(props.get(k, "")) for k in topoview.POOL_PROPERTIES))
     print(topoview.render(topology, pools, allocations, props["Granularity"],
                           args.colour,
                           style=topoview.Style(unicode=args.unicode, compact=args.compact,
@@ -353,7 +354,7 @@ HANDLERS = {"status": _status, "list": _list, "show": _show, "plan": _plan,
             "allocate": _allocate, "resize": _resize, "release": _release,
             "revalidate": _revalidate, "export": ctl_export.export,
             "defrag": lambda c, a: ctl_moves.defrag(c, a, a.json_mode if _json(a) else None),
-            "movable": ctl_moves.movable}
+            "movable": ctl_moves.movable, "lend": ctl_lending.lend}
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -36,7 +36,9 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
     online = CPUSet.parse(props["OnlineCPUs"])
     print(f"cpuservice {props['Version']}: {len(online)} CPUs online")
     for key in ("OnlineCPUs", "ReservedCPUs", "IsolatedCPUs", "SharedCPUs", "ExclusiveCPUs",
-                "FragmentCPUs"):
+                "FragmentCPUs", "LentCPUs"):
+        if key not in props:  # LentCPUs: a daemon from before issue 26
+            continue
         count = len(CPUSet.parse(props[key]))
         cpus = props[key] or "-"
         print(f"  {key[:-4] + ':':<11}{cpus}{f' ({count})' if count else ''}")
@@ -111,6 +113,13 @@ async def allocation_status(c: Client, args: argparse.Namespace) -> int:
         ("Lifetime", a["Lifetime"]),
         ("Unit", f"{a['Unit']}: {state}"),
     ]
+    if a.get("Lending"):
+        lines.insert(4, ("Lending", f"lends {a['LentCPUs']} to borrowers now"
+                         if a.get("LentCPUs") else "on, nothing lent now (busy, or not idle long "
+                         "enough)"))
+    elif str(a["Unit"]).startswith("cpuservice-borrow-"):
+        lines.insert(4, ("Borrows", "runs on the shared pool and the cores lent now, at idle "
+                         "priority"))
     tasks = unit.get("TasksCurrent")
     if tasks is not None and tasks != NO_QUOTA:
         lines.append(("Tasks", str(tasks)))

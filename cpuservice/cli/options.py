@@ -19,11 +19,13 @@ def choices(vocabulary: Any) -> tuple[str, ...]:
 
 
 def add_option_args(p: argparse.ArgumentParser, bind_flag: bool = True,
-                    allocate: bool = False) -> None:
+                    allocate: bool = False, also: tuple[str, ...] = ()) -> None:
     """The request options as arguments (cpuservice.model.request.OPTIONS); ``allocate``: also
-    those only Allocate takes (unit, lifetime)."""
+    those only Allocate takes (unit, lifetime); ``also``: these of them."""
     for spec in request.OPTIONS:
-        if (spec.key == "bind" and not bind_flag) or not (spec.shapes_placement or allocate):
+        if spec.key == "bind" and not bind_flag:
+            continue
+        if not (spec.shapes_placement or allocate or spec.key in also):
             continue
         flag = f"--{spec.key}"
         if spec.kind is request.OptionKind.FLAG:

@@ -1,7 +1,7 @@
 """cpuservice-run: run a command on allocated CPUs through the real systemd-run.
 
-    cpuservice-run [--cpus N] [--bind] [policy options] [--name NAME] [systemd-run options] \\
-        [--] COMMAND [ARG...]
+    cpuservice-run [--cpus N] [--bind] [policy options] [--lend | --borrow] [--name NAME] \\
+        [systemd-run options] [--] COMMAND [ARG...]
 
 It allocates with lifetime=unit, moves itself into a scope in the allocation's slice (so the
 slice is never empty from then on), then becomes ``systemd-run --scope --slice=...`` (or
@@ -68,8 +68,10 @@ VALUE_TIMER = set(TIMER) - {"--on-timezone-change", "--on-clock-change"}
 # cpuservice-run's own options that take a value
 OWN_VALUE = {"--cpus", "--policy", "--exclusive", "--numa-strategy", "--numa-alignment",
              "--cpuset", "--partition", "--name", "--bus-address"}
-OWN_FLAGS = {"--bind", "--memory-nodes", "--service", "--scope", "--no-ask-password", "--help",
-             "--version"}
+# Allocate-only options cpuservice-run takes too (unit and lifetime are its own to choose)
+RUN_ALLOCATE = ("lend", "borrow")
+OWN_FLAGS = {"--bind", "--memory-nodes", *(f"--{key}" for key in RUN_ALLOCATE), "--service",
+             "--scope", "--no-ask-password", "--help", "--version"}
 
 
 class Usage(Exception):
@@ -98,7 +100,7 @@ def parser() -> argparse.ArgumentParser:
                "cpuservice-run failed, 126 the command cannot be run, 127 the command was not "
                "found.")
     p.add_argument("--cpus", default="1", help="CPU amount (default 1)")
-    add_option_args(p)
+    add_option_args(p, also=RUN_ALLOCATE)
     p.add_argument("--name", help="allocation name (default run-PID)")
     p.add_argument("--service", action="store_true",
                    help="run as a transient service (systemd-run --service --wait)")

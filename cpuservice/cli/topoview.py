@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.cpuset import EMPTY, CPUSet
 
 # one colour per kind; allocations take theirs from PALETTE in name order
 COLOURS = {"shared": "32", "reserved": "33", "isolated": "36", "offline": "2",
@@ -27,6 +27,7 @@ KINDS = {
     "offline": "not online now (hotplug)",
     "fragment": "one CPU split between bound allocations (NAME:PIECES)",
 }
+LENT = "lent = an idle whole core its owner lends to borrowers now (option lend)"
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class Pools:
     reserved: CPUSet
     isolated: CPUSet
     shared: CPUSet
+    lent: CPUSet = EMPTY  # owned CPUs lent to borrowers now (marked, same colour)
+
+
+# the Manager's properties Pools is made of, in its order
+POOL_PROPERTIES = ("OnlineCPUs", "ReservedCPUs", "IsolatedCPUs", "SharedCPUs", "LentCPUs")
 
 
 @dataclass(frozen=True)
@@ -129,10 +135,13 @@ def render(
     def state(cpu: int) -> tuple[str, str]:
         return states.get(cpu, ("offline", "offline"))
 
+    def lent(cpu: int) -> str:
+        return " lent" if cpu in pools.lent and state(cpu)[0] == "owned" else ""
+
     def mark(cpu: int) -> str:
         kind, label = state(cpu)
         extra = " (place inferred)" if cpu in inferred else ""
-        return paint(kind, label, f"cpu{cpu} {label}{extra}")
+        return paint(kind, label, f"cpu{cpu} {label}{lent(cpu)}{extra}")
 
     sockets = sorted({r["socket"] for r in rows})
     nodes = {r["node"] for r in rows}
@@ -153,8 +162,9 @@ def render(
         """Consecutive cores with the same states per thread, when compact."""
         runs: list[list[int]] = []
         for core in members:
-            sig = [state(c) for c in sorted(cores[core])]
-            if style.compact and runs and sig == [state(c) for c in sorted(cores[runs[-1][0]])] \
+            sig = [(state(c), lent(c)) for c in sorted(cores[core])]
+            if style.compact and runs and sig == [(state(c), lent(c))
+                                                  for c in sorted(cores[runs[-1][0]])] \
                     and not inferred & set(cores[core]):
                 runs[-1].append(core)
             else:
@@ -170,7 +180,7 @@ def render(
         parts = []
         for cpus in per_thread:
             kind, label = state(cpus[0])
-            parts.append(paint(kind, label, f"cpu{CPUSet(cpus)} {label}"))
+            parts.append(paint(kind, label, f"cpu{CPUSet(cpus)} {label}{lent(cpus[0])}"))
         lines.append(f"{head}Cores {run[0]}-{run[-1]} ({len(run)}): " + "  ".join(parts))
 
     def cores_of(members: Iterable[Mapping[str, Any]]) -> list[list[int]]:
@@ -222,7 +232,8 @@ def render(
         tree.children(indent, [item for _, item in sorted(items)], draw)
 
     tree.children("", sorted({r["socket"] for r in shown}), socket_line)
-    lines += legend({state(int(r["cpu"]))[0] for r in shown}, allocations, paint)
+    lines += legend({state(int(r["cpu"]))[0] for r in shown}, allocations, paint,
+                    any(lent(int(r["cpu"])) for r in shown))
     warnings = list(topology.get("warnings") or ()) if isinstance(topology, Mapping) else []
     if notes or warnings:
         lines.append("Notes:")
@@ -235,9 +246,11 @@ def legend(
     kinds: set[str],
     allocations: Sequence[Mapping[str, Any]],
     paint: Callable[[str, str, str], str],
+    lent: bool = False,
 ) -> list[str]:
     """The marks in use and every allocation, the unbound ones with where they run."""
     marks = [f"{paint(k, k, k)} = {text}" for k, text in KINDS.items() if k in kinds]
+    marks += [LENT] if lent else []
     lines = ["Legend: " + "; ".join(marks)] if marks else []
     if allocations:
         lines.append("Allocations:")
@@ -248,9 +261,12 @@ def legend(
         amount = f"{cpus} CPU(s) " if cpus is not None else ""
         if a["Bound"]:
             held = CPUSet(int(c) for c in a["Shares"])
-            lines.append(f"  {name}  {amount}bound: {held or '-'}")
+            lends = f", lends {a['LentCPUs']}" if a.get("LentCPUs") else ""
+            lines.append(f"  {name}  {amount}bound: {held or '-'}{lends}")
         else:
-            lines.append(f"  {name}  {amount}unbound, on the shared pool")
+            borrows = str(a.get("Unit", "")).startswith("cpuservice-borrow-")
+            where = "the shared pool and lent cores (borrows)" if borrows else "the shared pool"
+            lines.append(f"  {name}  {amount}unbound, on {where}")
     return lines
 
 

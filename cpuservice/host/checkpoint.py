@@ -54,6 +54,7 @@ def _row(name: str, a: Allocation, r: Record) -> dict[str, Any]:
         "saved": {k: [sig, _prop_out(sig, v)] for k, (sig, v) in r.saved.items()},
         "populated": r.populated,
         **({"fresh": list(r.fresh)} if r.fresh else {}),
+        **({"lent": r.lent.format()} if r.lent else {}),  # older checkpoints: nothing lent
     }
 
 
@@ -71,7 +72,8 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
             saved = {k: (sig, prop_in(sig, v)) for k, (sig, v) in row["saved"].items()}
             records[row["name"]] = Record(int(row["owner"]), str(row["unit"]), saved,
                                           bool(row["populated"]),
-                                          tuple(str(n) for n in row.get("fresh", ())))
+                                          tuple(str(n) for n in row.get("fresh", ())),
+                                          CPUSet.parse(str(row.get("lent", ""))))
     except (KeyError, TypeError, ValueError, CPUServiceError) as exc:
         raise CheckpointError(f"bad allocation in checkpoint: {exc}") from None
     ledger = Ledger(ledger.online, ledger.reserved, ledger.isolated,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from cpuservice.apply import views
 from cpuservice.host.checkpoint import State
+from cpuservice.model import lending
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.topology import Topology
 
@@ -55,6 +56,10 @@ class Counters:
         self.durations: dict[str, Histogram] = {}
         self.repair_failures: dict[str, int] = {}
         self.moves: dict[str, int] = {}  # allocations moved, by why (repack, defragment)
+        # lending (option lend): CPU time offered on lent CPUs, withdrawals and their latency
+        self.lent_seconds = 0.0
+        self.withdrawals = 0
+        self.withdraw_latency = Histogram()
         self.listeners: list[Callable[[], None]] = []
 
     def _changed(self) -> None:
@@ -81,6 +86,21 @@ class Counters:
         if count:
             self.moves[why] = self.moves.get(why, 0) + count
             self._changed()
+
+    def lent(self, cpus: int, seconds: float) -> None:
+        """``cpus`` CPUs were lent for ``seconds`` (counted at every sample: the listeners are
+        told by flush(), not on each)."""
+        self.lent_seconds += cpus * seconds
+
+    def withdrawn(self, seconds: float) -> None:
+        """Lent CPUs were withdrawn, ``seconds`` after the sample that found the owner busy."""
+        self.withdrawals += 1
+        self.withdraw_latency.observe(seconds)
+        self._changed()
+
+    def flush(self) -> None:
+        """Tell the listeners of counts kept quietly (lent CPU time)."""
+        self._changed()
 
     def repair_failed(self, trigger: str) -> None:
         """A repair (``trigger``: hotplug, revalidate) failed: systemd or the checkpoint
@@ -171,6 +191,16 @@ def render(topology: Topology, state: State, counters: Counters, version: str,
                "Movable allocations moved to other CPUs, by why (repack: to place a request "
                "refused for fragmentation; defragment).",
                [({"why": w}, counters.moves.get(w, 0)) for w in ("repack", "defragment")])
+    out.family("cpuservice_lent_cpus", "gauge",
+               "CPUs lent to borrowers now (idle whole cores of allocations with option lend).",
+               [({}, len(lending.all_lent(topology, state)))])
+    out.family("cpuservice_lent_cpu_seconds_total", "counter",
+               "CPU time offered to borrowers on lent CPUs (CPUs lent x seconds).",
+               [({}, round(counters.lent_seconds, 3))])
+    out.family("cpuservice_lending_withdrawals_total", "counter",
+               "Owners whose lent CPUs were withdrawn because they got busy (or their load "
+               "could not be read).",
+               [({}, counters.withdrawals)])
     out.family("cpuservice_checkpoint_write_failing", "gauge",
                "1 while the state cannot be written (every change is refused).",
                [({}, int(checkpoint[0]))])
@@ -186,6 +216,15 @@ def render(topology: Topology, state: State, counters: Counters, version: str,
                     + [({"trigger": trigger, "le": "+Inf"}, h.count)])
         out.samples("cpuservice_repair_duration_seconds_sum", [({"trigger": trigger}, h.total)])
         out.samples("cpuservice_repair_duration_seconds_count", [({"trigger": trigger}, h.count)])
+    h = counters.withdraw_latency
+    out.family("cpuservice_lending_withdraw_seconds", "histogram",
+               "From the load sample that found a lending owner busy to systemd holding the "
+               "borrow slice without its CPUs.", [])
+    out.samples("cpuservice_lending_withdraw_seconds_bucket",
+                [({"le": _number(b)}, c) for b, c in zip(BUCKETS, h.counts, strict=True)]
+                + [({"le": "+Inf"}, h.count)])
+    out.samples("cpuservice_lending_withdraw_seconds_sum", [({}, h.total)])
+    out.samples("cpuservice_lending_withdraw_seconds_count", [({}, h.count)])
     return "\n".join(out.lines) + "\n"
 
 

@@ -22,7 +22,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, StrictBool, StrictStr, conint
+from pydantic import Field, StrictBool, StrictStr, confloat, conint
 
 from cpuservice.model import compat
 from cpuservice.model.cpuset import CPUSet, CPUSetError
@@ -59,6 +59,13 @@ class Config(compat.StrictModel):
     metrics_file: StrictStr = "/var/lib/prometheus/node-exporter/cpuservice.prom"
     max_moves_per_allocation_per_hour: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=3600) = 4
+    # lending idle whole cores (option lend, cpuservice.model.lending): the owner's load on
+    # them, in percent, above which they are withdrawn, below which they count as idle, and
+    # for how long they must be idle before they are lent (again); how often the load is read
+    lend_busy_percent: conint(strict=True, ge=1, le=100) = 20  # type: ignore[valid-type]
+    lend_idle_percent: conint(strict=True, ge=1, le=99) = 5  # type: ignore[valid-type]
+    lend_idle_seconds: confloat(ge=0.0, le=3600.0) = 2.0  # type: ignore[valid-type]
+    lend_sample_ms: conint(strict=True, ge=10, le=1000) = 50  # type: ignore[valid-type]
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     def cpu_limit(self, online: int) -> Decimal | None:
@@ -139,6 +146,9 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
     if isinstance(data.get("max_cpus_per_user"), int) and not isinstance(
             data["max_cpus_per_user"], bool):
         data = {**data, "max_cpus_per_user": str(data["max_cpus_per_user"])}
+    idle = data.get("lend_idle_seconds")
+    if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int | float)):
+        raise ConfigError(f"{source}: lend_idle_seconds: {idle!r} is not a number of seconds")
     limit = data.get("max_cpus_per_user")
     if isinstance(limit, str) and not _CPU_LIMIT.fullmatch(limit):
         raise ConfigError(f"{source}: max_cpus_per_user: {limit!r} is not a number of CPUs "
@@ -160,6 +170,10 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
                                     and config.metrics_file.endswith(".prom")):
         raise ConfigError(f"{source}: metrics_file: {config.metrics_file!r} is not an absolute "
                           "path ending in .prom (the node exporter reads *.prom), nor \"\" (off)")
+    if config.lend_idle_percent >= config.lend_busy_percent:
+        raise ConfigError(f"{source}: lend_idle_percent: {config.lend_idle_percent} must be "
+                          f"below lend_busy_percent ({config.lend_busy_percent}): between them "
+                          "lent cores stay lent and withdrawn ones stay withdrawn")
     for key in config.defaults:
         if key in PER_REQUEST_ONLY or key not in OPTION_KEYS:
             raise ConfigError(f"{source}: defaults.{key}: not an option that can have a default")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import StrEnum
@@ -93,6 +93,8 @@ class Options(compat.StrictModel):
     lifetime: Lifetime = Lifetime.PERSISTENT
     partition: Partition = Partition.NONE
     movable: Movable = Movable.NO
+    lend: StrictBool = False
+    borrow: StrictBool = False
 
 
 OPTION_KEYS = compat.field_aliases(Options)
@@ -139,6 +141,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
     # move it), so Plan and Capacity do not take it
     OptionSpec("movable", "movable", OptionKind.CHOICE,
                "whether the allocation may be moved to make room", Movable,
+               shapes_placement=False),
+    # whether idle whole cores are lent, and whether an unbound allocation runs on lent cores
+    # too: where the allocation goes does not depend on either (cpuservice.model.lending)
+    OptionSpec("lend", "lend", OptionKind.FLAG,
+               "lend its idle whole cores to borrowers (bound)", shapes_placement=False),
+    OptionSpec("borrow", "borrow", OptionKind.FLAG,
+               "also run on cores others lend, at idle priority (unbound)",
                shapes_placement=False),
     OptionSpec("cpuset", "cpuset", OptionKind.TEXT, "explicit CPUs (cpu list); implies --bind"),
     OptionSpec("unit", "unit", OptionKind.TEXT,
@@ -207,11 +216,17 @@ class Request:
         defaults: Mapping[str, Any] | None = None,
     ) -> Request:
         amount = parse_amount(cpus)
+        if (options or {}).get("lend") is True and "partition" not in (options or {}):
+            # asked to lend: a configured default partition, which would refuse it, yields
+            defaults = {**(defaults or {}), "partition": str(Partition.NONE)}
         opts = parse_options(options or {}, defaults)
-        if "movable" not in (options or {}) and _unmovable(opts):
-            # a configured default that cannot apply (an unbound allocation, explicit CPUs, a
-            # partition) is "no", as a configured partition that cannot apply is "none"
-            opts = parse_options(options or {}, {**(defaults or {}), "movable": "no"})
+        # a configured default that cannot apply (movable or lend for an unbound allocation,
+        # borrow for a bound one, ...) is off, as a configured partition that cannot apply is
+        # "none"
+        off = {key: value for key, (value, why) in _UNLESS.items()
+               if key not in (options or {}) and why(opts)}
+        if off:
+            opts = parse_options(options or {}, {**(defaults or {}), **off})
         return cls.build(amount, opts)
 
     @classmethod
@@ -233,6 +248,10 @@ class Request:
         why = _unmovable(opts)
         if why:
             raise InvalidArgument(f"option 'movable' {str(opts.movable)!r}: {why}")
+        for key in ("lend", "borrow"):
+            why = _UNLESS[key][1](opts)
+            if why:
+                raise InvalidArgument(f"option '{key}': {why}")
         if opts.unit is not None and not _UNIT.fullmatch(opts.unit):
             raise InvalidArgument(f"option 'unit' {opts.unit!r} is not a unit name")
         return cls(amount, opts, explicit)
@@ -249,3 +268,32 @@ def _unmovable(opts: Options) -> str:
     if opts.partition != Partition.NONE:
         return f"an allocation in a cpuset partition ({opts.partition}) is never moved"
     return ""
+
+
+def _no_lend(opts: Options) -> str:
+    """Why an allocation of these options cannot lend ("" when it can, or does not)."""
+    if not opts.lend:
+        return ""
+    if not opts.bind:
+        return "needs 'bind': true (only bound CPUs are lent)"
+    if opts.partition != Partition.NONE:
+        return (f"a cpuset partition ({opts.partition}) keeps every other cgroup off its CPUs: "
+                "they cannot be lent")
+    return ""
+
+
+def _no_borrow(opts: Options) -> str:
+    """Why an allocation of these options cannot borrow ("" when it can, or does not)."""
+    if not opts.borrow:
+        return ""
+    if opts.bind:
+        return "only an unbound allocation borrows (a bound one has CPUs of its own)"
+    if opts.unit is not None:
+        return ("a borrower runs in its own slice under cpuservice-borrow.slice, not in "
+                "an existing unit")
+    return ""
+
+
+# options a configured default may set only where they can apply: key -> (off, why not)
+_UNLESS: Mapping[str, tuple[Any, Callable[[Options], str]]] = {
+    "movable": ("no", _unmovable), "lend": (False, _no_lend), "borrow": (False, _no_borrow)}

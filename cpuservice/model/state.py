@@ -1,6 +1,6 @@
 """The service's state: the ledger (who holds which CPUs) and, per allocation, what the service
-knows beyond it (owner, unit, a foreign unit's saved values). Immutable values; the checkpoint
-(cpuservice.host.checkpoint) writes and reads them."""
+knows beyond it (owner, unit, a foreign unit's saved values, what it lends). Immutable values;
+the checkpoint (cpuservice.host.checkpoint) writes and reads them."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.pools import Ledger
 
 
@@ -22,6 +23,10 @@ class Record:
     # a foreign unit's properties that had no runtime override before cpuservice set them: the
     # restore removes cpuservice's override instead of leaving the old value frozen in one
     fresh: tuple[str, ...] = ()
+    # the CPUs it lent to borrowers when lending last changed (option lend); what is lent now
+    # is this within what it may lend now (cpuservice.model.lending.lent): a value a Resize,
+    # a move or a repair made stale is ignored
+    lent: CPUSet = EMPTY
 
 
 @dataclass(frozen=True)

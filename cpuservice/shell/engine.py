@@ -20,6 +20,7 @@ from cpuservice.apply.targets import Targets, partition_mode, partition_of
 from cpuservice.host import journal, metrics
 from cpuservice.host.checkpoint import Store
 from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
+from cpuservice.model import lending
 from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, SystemdFailure
@@ -39,7 +40,7 @@ from cpuservice.shell.ports import (
 
 log = logging.getLogger(__name__)
 OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
-                f"{units.PARTITION_PREFIX}*.slice")
+                "cpuservice-borrow-*.slice", f"{units.PARTITION_PREFIX}*.slice")
 class Effector:
     """The reconcile transaction's effector: systemd for units, the kernel for the pseudo-units
     of interrupts and workqueues (they only ever get AllowedCPUs)."""
@@ -164,7 +165,9 @@ class Engine:
                 await self._sync(new)
             else:
                 tx = reconcile.plan(before, self.specs(new, changed),
-                                    old.ledger.exclusive | new.ledger.exclusive)
+                                    old.ledger.exclusive | new.ledger.exclusive,
+                                    lending.shareable((old_topology, old), (self.topology, new)),
+                                    units.BORROW)
                 await reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
                                         self.effector)
             if change.durability is Durability.AFTER:
@@ -253,7 +256,9 @@ class Engine:
                                 and unit not in on_pool)
         # a dead slice of ours is stopped first, so that it can be started again
         stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
-        tx = reconcile.plan(before, after, state.ledger.exclusive | held)
+        tx = reconcile.plan(before, after, state.ledger.exclusive | held,
+                            lending.shareable((self.topology, state), (self.topology, state)),
+                            units.BORROW)
         await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
 
     async def observe(self, after: Mapping[str, UnitSpec]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from cpuservice.apply import units
-from cpuservice.apply.targets import partition_of_request
+from cpuservice.apply.targets import slice_of
 from cpuservice.model.errors import InvalidArgument
 from cpuservice.model.props import Props
 from cpuservice.model.request import Request
@@ -21,8 +21,7 @@ async def target_unit(systemd: SystemdAPI, name: str, request: Request,
     allocations there are (no two carry one unit)."""
     unit = request.options.unit
     if unit is None:
-        return units.slice_name(name, request.options.bind,
-                                partition_of_request(request)), {}, ()
+        return slice_of(name, request), {}, ()
     for other, rec in records.items():
         if rec.unit == unit:
             raise InvalidArgument(f"unit {unit!r} already carries allocation {other!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from cpuservice.apply import partitions, views
+from cpuservice.model import lending
 from cpuservice.model.state import State
 from cpuservice.model.topology import Topology
 from cpuservice.shell.ports import Events
@@ -44,7 +45,8 @@ def publish(events: Events, forget: Callable[[str], None], before: Side, after: 
     was, now = old.ledger, new.ledger
     if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):
         events.pools_changed(now.shared.format(), now.exclusive.format(), now.fragment.format())
-    manager = views.changed(views.manager(was), views.manager(now))
+    manager = views.changed(views.manager(was, lending.all_lent(old_topology, old)),
+                            views.manager(now, lending.all_lent(topology, new)))
     invalidated = ["Topology"] if topology != old_topology else []
     if manager or invalidated:
         events.manager_changed(manager, invalidated)

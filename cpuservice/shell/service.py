@@ -20,7 +20,7 @@ from cpuservice.apply import partitions, units
 from cpuservice.apply.change import Basis, Change, Durability, Note, effects
 from cpuservice.apply.reconcile import Kind as OpKind
 from cpuservice.apply.reconcile import Op
-from cpuservice.apply.targets import own_slice, partition_of, partition_of_request
+from cpuservice.apply.targets import own_slice, partition_of, partition_of_request, slice_of
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.journal import Kind
@@ -38,9 +38,10 @@ from cpuservice.model.request import Request, parse_amount, parse_options, valid
 from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement, defrag
 from cpuservice.placement.moves import Move
-from cpuservice.shell import moving, publish, recovery
+from cpuservice.shell import lending, moving, publish, recovery
 from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
+from cpuservice.shell.lending import Lending
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.partition_watch import PartitionHealer
 from cpuservice.shell.ports import Events
@@ -69,6 +70,7 @@ class Service:
         # while its change is being applied; one left from an earlier allocation of the
         # same name goes when the new one is committed
         self.admission = Admission(engine, self._follow, fresh=self._forget_serial)
+        self.lending = Lending(engine, skip=self._releasing.__contains__)
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)
@@ -145,7 +147,9 @@ class Service:
         return self._serials.setdefault(name, next(self._next_serial))
 
     def _forget_serial(self, name: str) -> None:
+        """``name`` is a new allocation, or none: its serial and what lending knew are gone."""
         self._serials.pop(name, None)
+        self.lending.forget(name)
 
     def _not_releasing(self, name: str) -> None:
         """Under the lock: refuse a call about an allocation whose slice is being stopped."""
@@ -199,6 +203,7 @@ class Service:
                           for a in self.ledger.allocations.values())
         if (self.engine.capabilities.partitions or partitioned) and self._partition_watch is None:
             self._partition_watch = asyncio.create_task(self.healer.watch())
+        self.lending.ensure()
 
     async def heal_partitions(self) -> None:
         """See PartitionHealer.heal."""
@@ -218,8 +223,11 @@ class Service:
                                                journal.CALLER.get()))
 
     async def _follow(self, name: str, allocation: Allocation) -> None:
-        """After an Allocate is committed: its identity, and its unit followed."""
+        """After an Allocate is committed: its identity, its unit followed, its load too when
+        it lends."""
         self.serial(name)
+        if allocation.request.options.lend:
+            self.lending.ensure()
         if allocation.request.options.lifetime == "unit":
             self.lifetime.track(name)
             record = self.record(name)
@@ -271,7 +279,7 @@ class Service:
                         log.error("cannot start %s again after a failed release: %s",
                                   record.unit, exc)
                 raise
-            self._serials.pop(name, None)
+            self._forget_serial(name)
             await self.lifetime.unwatch(name)
 
     async def resize(self, name: str, cpus: str, serial: int | None = None,
@@ -310,6 +318,18 @@ class Service:
                 State(self.ledger.with_allocation(new), self.state.records), frozenset({name}),
                 {name: f"movable {request.options.movable}"}))
 
+    async def set_lending(self, name: str, lend: bool, serial: int | None = None) -> None:
+        """Whether allocation ``name`` lends its idle whole cores (option lend); off withdraws
+        what it lends now, in the same change."""
+        async with self.lock:
+            self._same(name, serial)
+            self._not_releasing(name)
+            self.allocation(name)
+            change = lending.switched(self.topology, self.state, name, lend)
+            if change is not None:
+                await self.engine.apply(change)
+        self.lending.ensure()
+
     async def defragment(self, dry_run: bool) -> tuple[Move, ...]:
         """Move movable allocations so that free CPUs form wholly free cores (see
         placement.defrag); ``dry_run``: only say which moves."""
@@ -334,7 +354,7 @@ class Service:
             self._not_releasing(name)
             allocation = self.allocation(name)
             record = self.record(name)
-            own = units.slice_name(name, allocation.bound, partition_of(allocation))
+            own = slice_of(name, allocation.request)
             if record.unit != own:
                 raise InvalidArgument(
                     f"allocation {name!r} applies to unit {record.unit!r}: start processes there"

@@ -41,6 +41,7 @@ PACKAGES = (
     "systemd", "systemd-sysv", "libpam-systemd", "dbus", "udev", "polkitd", "python3",
     "python3-dbus-fast", "python3-pydantic", "python3-pyudev", "procps", "util-linux",
     "irqbalance", "prometheus-node-exporter",
+    "rt-tests", "stress-ng",  # lending (issue 26): cyclictest as the owner, a borrower
 )
 
 

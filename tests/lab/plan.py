@@ -225,6 +225,8 @@ MAIN: dict[str, Scenario] = {
     "agent": Scenario("bash /payload/tests/lab/scenarios/agent.sh", 480, ("install",)),
     "metrics": Scenario("python3 /payload/tests/lab/scenarios/metrics.py", 120, ("install",)),
     "moves": Scenario("python3 /payload/tests/lab/scenarios/moves.py", 120, ("install",)),
+    "lending": Scenario("python3 /payload/tests/lab/scenarios/lending.py check", 240,
+                        ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.

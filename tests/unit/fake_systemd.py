@@ -16,6 +16,7 @@ from cpuservice.model.errors import SystemdFailure
 
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
+BORROW = "cpuservice-borrow.slice"  # shipped like the shared slice: always loaded
 
 
 class Crash(BaseException):
@@ -43,7 +44,8 @@ class Write:
 class FakeSystemd:
     """The surface cpuservice.service uses of cpuservice.host.systemd.Systemd."""
 
-    def __init__(self, units: Iterable[str] = ("cpuservice-shared.slice", *CONFINED)) -> None:
+    def __init__(self, units: Iterable[str] = ("cpuservice-shared.slice", BORROW, *CONFINED)
+                 ) -> None:
         self.units: dict[str, Unit] = {u: Unit(u) for u in units}
         self.writes: list[Write] = []
         self.timeline: list[dict[str, CPUSet]] = [self.snapshot()]
@@ -229,20 +231,25 @@ class FakeSystemd:
                     self.on_unit_removed(u.name)
 
 
-# units that hold the shared pool together: they may share its CPUs with one another
-SHARED_HOLDERS = frozenset({"cpuservice-shared.slice", *CONFINED, "kernel:irqs",
+# units that hold the shared pool together: they may share its CPUs with one another (the
+# borrow slice holds the shared pool too, and the CPUs lent now)
+SHARED_HOLDERS = frozenset({"cpuservice-shared.slice", BORROW, *CONFINED, "kernel:irqs",
                             "kernel:workqueues"})
 
 
-def violations(timeline: Sequence[Mapping[str, CPUSet]], exclusive: CPUSet) -> list[str]:
+def violations(timeline: Sequence[Mapping[str, CPUSet]], exclusive: CPUSet,
+               lent: Mapping[int, str] | None = None) -> list[str]:
     """Instants at which a CPU of ``exclusive`` is in the AllowedCPUs of two units, other than
-    two holders of the shared pool (before it leaves the pool, such a CPU is theirs)."""
+    two holders of the shared pool (before it leaves the pool, such a CPU is theirs) or, for a
+    CPU of ``lent`` (cpu -> the unit of the allocation that lends it), the borrow slice and
+    that unit: never the borrow slice and any other unit."""
     found = []
     for i, units in enumerate(timeline):
         for cpu in exclusive:
-            holders = sorted(u for u, cpus in units.items() if cpu in cpus)
-            if len(holders) > 1 and not set(holders) <= SHARED_HOLDERS:
-                found.append(f"instant {i}: cpu {cpu} in {', '.join(holders)}")
+            holders = {u for u, cpus in units.items() if cpu in cpus}
+            if len(holders) > 1 and not holders <= SHARED_HOLDERS and not (
+                    lent and cpu in lent and holders <= {BORROW, lent[cpu]}):
+                found.append(f"instant {i}: cpu {cpu} in {', '.join(sorted(holders))}")
     return found
 
 

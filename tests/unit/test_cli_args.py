@@ -12,7 +12,7 @@ import pytest
 from cpuservice.cli import run
 from cpuservice.cli.ctl import allocation_name, parse, parser
 from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, json_mode, nulls, timespan
-from cpuservice.cli.options import choices
+from cpuservice.cli.options import choices, options_of
 from cpuservice.model import request
 
 
@@ -110,11 +110,19 @@ def test_plan_into_head_ends_quietly() -> None:
      ["--unit", "job", "-E", "A=1", "--uid", "alice"], ["top"]),
     (["-pMemoryMax=1G", "--name", "n", "--", "--weird-command"], ["--name", "n"],
      ["-p", "MemoryMax=1G"], ["--weird-command"]),
+    (["--borrow", "-q", "make"], ["--borrow"], ["-q"], ["make"]),
 ])
 def test_run_command_line(argv: list[str], ours: list[str], passthrough: list[str],
                           command: list[str]) -> None:
     line = run.scan(argv)
     assert (line.ours, line.passthrough, line.command) == (ours, passthrough, command)
+
+
+def test_run_lends_and_borrows() -> None:
+    """cpuservice-run sends --lend and --borrow to Allocate, as cpuservicectl allocate does."""
+    for flag in ("lend", "borrow"):
+        args = run.parser().parse_args(run.scan(["--bind", f"--{flag}", "true"]).ours)
+        assert options_of(args) == {"bind": True, flag: True}
 
 
 @pytest.mark.parametrize("argv,named", [

@@ -102,6 +102,10 @@ def test_completion_is_valid_bash() -> None:
     ("cpuservicectl show x -p Ali", "Aligned"),
     ("cpuservice-run --cpus 2 --numa-alignment ", "single-numa-node"),
     ("cpuservice-run --cpus 2 --sl", ""),  # refused options are not offered
+    ("cpuservicectl lend x ", "on"),
+    ("cpuservicectl movable x ", "anywhere"),
+    ("cpuservicectl lend x on ", ""),  # nothing after the value
+    ("cpuservice-run --cpus 2 --bor", "--borrow"),
 ])
 def test_completion_completes(line: str, want: str) -> None:
     words = line.split(" ")
@@ -120,7 +124,7 @@ printf '%s\\n' "${{COMPREPLY[@]}}"
     if want:
         assert want in out, out
     else:
-        assert not [w for w in out if w.startswith("--sl")], out
+        assert not [w for w in out if w.startswith("--sl") or w in ("on", "off")], out
 
 
 def test_the_options_table_is_the_validating_model() -> None:

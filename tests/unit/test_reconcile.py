@@ -249,3 +249,68 @@ def test_a_batched_write_that_fails_is_not_clean() -> None:
         assert not exc.clean
     else:
         raise AssertionError("the failure was not raised")
+
+
+@settings(max_examples=examples(300))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_sets_issued_together_keep_the_rule_in_any_order(seed: int) -> None:
+    """SETs that reconcile issues at once (the shrinking holders of the shared pool, say) reach
+    systemd in any order: every order of every such group keeps the ordering rule."""
+    rng = random.Random(seed)
+    (before, had), (after, has) = units(rng), units(rng)
+    exclusive = CPUSet(had | has)
+    tx = plan(before, after, exclusive)
+    shuffled = []
+    for group in reconcile.groups(tx.ops, Recorder(before)):
+        if len(group) > 1 and group[0].kind is reconcile.Kind.SET:
+            group = rng.sample(group, len(group))
+        shuffled += group
+    recorder = Recorder(before)
+    asyncio.run(reconcile.execute(reconcile.Transaction(tuple(shuffled)), recorder))
+    assert recorder.violations(exclusive) == [], [str(op) for op in shuffled]
+
+
+def _held(cpus: Mapping[str, list[int]]) -> dict[str, UnitSpec]:
+    return {u: UnitSpec({"AllowedCPUs": _mask(c)}, own=u.startswith("cpuservice-bound"))
+            for u, c in cpus.items()}
+
+
+def test_independent_sets_go_together_dependent_ones_do_not() -> None:
+    """Two holders of the shared pool shrinking go together; a unit growing onto a CPU another
+    gives up waits for it; a partition's SET is alone."""
+    before = _held({"cpuservice-shared.slice": [0, 1, 2, 3], "cpuservice-borrow.slice":
+                      [0, 1, 2, 3], "cpuservice-bound-a.slice": [4]})
+    after = _held({"cpuservice-shared.slice": [0, 1], "cpuservice-borrow.slice": [0, 1],
+                     "cpuservice-bound-a.slice": [2, 3, 4]})
+    tx = plan(before, after, CPUSet([2, 3, 4]))
+    got = [[(o.kind.value, o.unit) for o in g] for g in reconcile.groups(tx.ops, Recorder(before))]
+    assert got == [[("set", "cpuservice-borrow.slice"), ("set", "cpuservice-shared.slice")],
+                   [("set", "cpuservice-bound-a.slice")]]
+    grow = reconcile.Op(reconcile.Kind.SET, "x", {"AllowedCPUs": _mask([1, 2])},
+                        {"AllowedCPUs": _mask([1])})
+    shrink = reconcile.Op(reconcile.Kind.SET, "y", {"AllowedCPUs": _mask([3])},
+                          {"AllowedCPUs": _mask([2, 3])})
+    weight = reconcile.Op(reconcile.Kind.SET, "z", {"CPUWeight": ("t", 5)}, {})
+    partition = reconcile.Op(reconcile.Kind.SET, "p", {"CPUSetPartition": ("s", "root")},
+                             {"CPUSetPartition": ("s", "member")})
+    sizes = [len(g) for g in reconcile.groups([shrink, grow, weight, partition],
+                                              Recorder({}))]
+    assert sizes == [1, 2, 1]
+
+
+def test_a_failed_set_of_a_group_undoes_the_others() -> None:
+    """One of two SETs issued at once fails: the one that was done is set back."""
+    before = _held({"cpuservice-shared.slice": [0, 1, 2, 3], "cpuservice-borrow.slice":
+                      [0, 1, 2, 3]})
+    after = _held({"cpuservice-shared.slice": [0, 1], "cpuservice-borrow.slice": [0, 1]})
+    tx = plan(before, after, CPUSet([2, 3]))
+    for fail_at in (1, 2):
+        failing = Recorder(before, fail_at=fail_at)
+        try:
+            asyncio.run(reconcile.execute(tx, failing))
+        except reconcile.Failed as exc:
+            assert exc.clean
+        else:
+            raise AssertionError("the failure was not raised")
+        assert failing.now == {u: _cpus(s.props) for u, s in before.items()}
+

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from cpuservice.daemon import assemble
 from cpuservice.host.checkpoint import Store
 from cpuservice.model import config as config_mod
+from cpuservice.model import lending
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CPUServiceError, SystemdFailure
 from cpuservice.model.fixtures import MACHINES, write_sysfs
@@ -96,15 +97,27 @@ class Host:
         self.fake = FakeSystemd()
         self.kernel = FakeKernel(self.fake)
         self.foreign: set[str] = set()
+        # the lending controller's view of the kernel: each cgroup's usage_usec (the fake's
+        # ControlGroup is "/" + the unit), and its clock; tests call svc.lending.sample()
+        self.usage: dict[str, int] = {}
+        self.clock = 1000.0
 
     async def service(self) -> Service:
         svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file), self.kernel)
         svc.events = self.events = Recorder()
+        svc.lending.read_usage = self.usage.get
+        svc.lending.clock = lambda: self.clock
+        svc.lending.sleep = _never
         await svc.start()
         return svc
 
     def offline(self, cpus: set[int]) -> None:
         write_sysfs(self.root, replace(MACHINES[self.machine], offline=frozenset(cpus)))
+
+
+async def _never(seconds: float) -> None:
+    """The lending loop's sleep in these tests: it never wakes (they sample by hand)."""
+    await asyncio.Event().wait()
 
 
 def run(body: Callable[[], Awaitable[None]]) -> None:
@@ -124,16 +137,19 @@ def agree(svc: Service, fake: FakeSystemd) -> None:
                     bytes(value)), (unit, name)
             else:
                 assert have.get(name) == value, (unit, name, have.get(name), value)
-    ours = {u for u in fake.units if u.startswith(("cpuservice-bound-", "cpuservice-shared-"))}
+    ours = {u for u in fake.units
+            if u.startswith(("cpuservice-bound-", "cpuservice-shared-", "cpuservice-borrow-"))}
     assert ours <= want.keys(), f"leftover units {sorted(ours - want.keys())}"
     exclusive = svc.ledger.exclusive
-    assert not violations([fake.snapshot()], exclusive)
+    lent = {c: svc.record(n).unit for c, n in lending.lent_by(svc.topology, svc.state).items()}
+    assert not violations([fake.snapshot()], exclusive, lent)
 
 
 def check_window(fake: FakeSystemd, mark: tuple[int, int], exclusive: CPUSet,
-                 foreign: set[str] | None = None) -> None:
-    """Since ``mark``: no instant broke the ordering rule, no empty AllowedCPUs was written."""
-    assert violations(fake.timeline[mark[0]:], exclusive) == []
+                 foreign: set[str] | None = None, lent: dict[int, str] | None = None) -> None:
+    """Since ``mark``: no instant broke the ordering rule, no empty AllowedCPUs was written
+    (``lent``: cpu -> the unit that may share it with the borrow slice)."""
+    assert violations(fake.timeline[mark[0]:], exclusive, lent) == []
     assert empty_writes(fake.writes[mark[1]:], foreign or set()) == []
 
 

@@ -1,0 +1,190 @@
+"""Lending idle exclusive CPUs (issue 26), pure: which CPUs a bound allocation may lend (option
+``lend``), which it lends now, which CPUs the borrow slice may share with their owner while a
+change is applied, and the controller step that decides, from the owner's load, when its cores
+are lent and when they are withdrawn.
+
+What is lent goes to ``cpuservice-borrow.slice`` (CPUWeight=idle), whose AllowedCPUs is the
+shared pool plus every CPU lent now; unbound allocations with option ``borrow`` run below it. The
+scheduler gives a waking task of the owner its CPU at once (a cgroup with cpu.idle=1 never
+delays a non-idle one); the allocation level takes the CPUs back when the owner stays busy.
+
+Only whole cores are lent: every online thread of the core is a whole CPU of the allocation.
+Never a fragment CPU (shared in pieces), never a partition's CPUs (the kernel keeps every other
+cgroup off them), never a kernel-isolated CPU (isolcpus: the scheduler would not balance a
+borrower onto it), never a degraded allocation's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Protocol
+
+from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.pools import Allocation
+from cpuservice.model.request import Partition
+from cpuservice.model.state import Record, State
+from cpuservice.model.topology import Topology
+
+
+def lendable(topology: Topology, allocation: Allocation) -> CPUSet:
+    """The CPUs ``allocation`` may lend now: its whole CPUs that form whole cores (every
+    online thread of the core is one of them); none when it does not lend, is a partition or
+    is degraded."""
+    opts = allocation.request.options
+    if (not opts.lend or not allocation.bound or opts.partition != Partition.NONE
+            or allocation.degraded):
+        return EMPTY
+    whole = allocation.whole - topology.isolated
+    out = []
+    for cpu in whole:
+        if cpu not in topology.cpus:
+            continue
+        core = topology.siblings(cpu)
+        if cpu in core and core <= whole:
+            out.append(cpu)
+    return CPUSet(out)
+
+
+def lent(topology: Topology, state: State, name: str) -> CPUSet:
+    """The CPUs allocation ``name`` lends now: what its record says it lent, within what it
+    may lend now (a Resize, a move or a repair that took CPUs away needs no special case)."""
+    record = state.records.get(name)
+    a = state.ledger.allocations.get(name)
+    if record is None or a is None or not record.lent:
+        return EMPTY
+    return record.lent & lendable(topology, a)
+
+
+def lenders(state: State) -> list[str]:
+    """The allocations that lend or may lend (option lend), by name."""
+    return sorted(n for n, a in state.ledger.bound.items() if a.request.options.lend)
+
+
+def lent_by(topology: Topology, state: State) -> dict[int, str]:
+    """Every CPU lent now -> the allocation that lends it (O(bound allocations), as the
+    ledger's own checks: a change costs what is bound, not every unbound allocation)."""
+    out: dict[int, str] = {}
+    for name, a in state.ledger.bound.items():
+        record = state.records.get(name)
+        if record is not None and record.lent and a.request.options.lend:
+            out.update(dict.fromkeys(record.lent & lendable(topology, a), name))
+    return out
+
+
+def all_lent(topology: Topology, state: State) -> CPUSet:
+    """Every CPU lent now (the borrow slice has them besides the shared pool)."""
+    return CPUSet(lent_by(topology, state))
+
+
+def borrowed(topology: Topology, state: State) -> CPUSet:
+    """The CPUs a borrower may run on: the shared pool and every CPU lent now."""
+    return state.ledger.shared | all_lent(topology, state)
+
+
+def shareable(before: tuple[Topology, State], after: tuple[Topology, State]) -> CPUSet:
+    """The exclusive CPUs the borrow slice may hold together with their owner's unit while a
+    change is applied: lent before or after it, and held by no other allocation on either
+    side (a CPU lent before and given to another allocation after is exclusive as usual: the
+    borrow slice gives it up first)."""
+    was, now = lent_by(*before), lent_by(*after)
+    out = []
+    for cpu in was.keys() | now.keys():
+        owner = was.get(cpu) or now[cpu]
+        if all(_only(state, cpu, owner) for _, state in (before, after)):
+            out.append(cpu)
+    return CPUSet(out)
+
+
+def _only(state: State, cpu: int, owner: str) -> bool:
+    """Whether ``cpu`` is no whole CPU of another allocation than ``owner`` in ``state``."""
+    if cpu not in state.ledger.exclusive:
+        return True
+    a = state.ledger.allocations.get(owner)
+    return a is not None and cpu in a.whole
+
+
+def with_lent(state: State, lent_now: Mapping[str, CPUSet]) -> State:
+    """``state`` with these allocations' records saying they lend these CPUs (empty: none)."""
+    records = dict(state.records)
+    for name, cpus in lent_now.items():
+        records[name] = replace(records.get(name, Record()), lent=cpus)
+    return State(state.ledger, records)
+
+
+# ---- the controller: when an owner's cores are lent and when they are withdrawn ----
+
+
+class Action(StrEnum):
+    NONE = "none"
+    LEND = "lend"
+    WITHDRAW = "withdraw"
+
+
+class Thresholds(Protocol):
+    """The configuration keys of the controller (cpuservice.model.config.Config has them)."""
+
+    @property
+    def lend_busy_percent(self) -> int: ...
+    @property
+    def lend_idle_percent(self) -> int: ...
+    @property
+    def lend_idle_seconds(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Lender:
+    """One lending allocation as the controller sees it: whether its cores are lent now, and
+    since when its load has stayed below the idle threshold (None: it has not)."""
+
+    lent: bool = False
+    idle_since: float | None = None
+
+
+def step(lender: Lender, load: float | None, now: float, cfg: Thresholds
+         ) -> tuple[Lender, Action]:
+    """One sample of the owner's ``load`` (percent of its lendable CPUs; None: it could not
+    be read, which counts as busy) at time ``now`` (seconds). Withdraw when the load is above
+    lend_busy_percent; lend once it has stayed below lend_idle_percent for
+    lend_idle_seconds; between the two thresholds nothing changes but the idle time starts
+    again (hysteresis)."""
+    if load is None or load > cfg.lend_busy_percent:
+        return Lender(False, None), Action.WITHDRAW if lender.lent else Action.NONE
+    if load < cfg.lend_idle_percent:
+        since = now if lender.idle_since is None else lender.idle_since
+        if not lender.lent and now - since >= cfg.lend_idle_seconds:
+            return Lender(True, since), Action.LEND
+        return Lender(lender.lent, since), Action.NONE
+    return Lender(lender.lent, None), Action.NONE
+
+
+def load_percent(before: tuple[float, int], after: tuple[float, int], cpus: int
+                 ) -> float | None:
+    """The owner's load between two readings of (time in seconds, cpu.stat usage_usec), in
+    percent of ``cpus`` CPUs (None when it cannot be told: no time passed, no CPU, the
+    counter went back because the cgroup was made again)."""
+    seconds = after[0] - before[0]
+    used = after[1] - before[1]
+    if seconds <= 0 or cpus <= 0 or used < 0:
+        return None
+    return used / 1e6 / seconds / cpus * 100
+
+
+def resync(lenders_now: Mapping[str, Lender], topology: Topology, state: State,
+           now: float) -> dict[str, Lender]:
+    """The controller's lenders for ``state``: one per allocation that may lend, kept while
+    it agrees with what the state says is lent, derived from the state otherwise (at startup,
+    after a restart, after SetLending or a change that took the lent CPUs away): lent when the
+    state says so, idle from ``now``."""
+    out: dict[str, Lender] = {}
+    for name in lenders(state):
+        a = state.ledger.allocations[name]
+        if not lendable(topology, a):
+            continue
+        lending = bool(lent(topology, state, name))
+        known = lenders_now.get(name)
+        out[name] = known if known is not None and known.lent == lending else Lender(
+            lending, now if lending else None)
+    return out
+

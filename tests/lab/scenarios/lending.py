@@ -1,0 +1,395 @@
+"""VM lab scenario: lending idle exclusive CPUs on a real kernel (issue 26). Prints one JSON
+object per check on lines starting with ``RESULT ``.
+
+    python3 lending.py check          # a borrower never runs on a withdrawn core
+    python3 lending.py bench ROUNDS   # owner latency unlent/lent, harvest, withdrawal time
+
+An owner of bound CPUs (CPUSERVICE_LENDING_OWNER, 4: two whole cores of the lab's 2 x 2 x 2
+machine) lends them; a borrower (unbound, option borrow, as many CPUs as the machine has) runs
+``stress-ng --cpu`` with one worker per online CPU, so that it covers every lent CPU. ``check``
+makes the owner busy (two spinning processes in its slice) and watches, every 10 ms, the borrow
+slice's ``cpuset.cpus.effective``, the borrower's cgroup's, each borrower task's
+``Cpus_allowed_list`` and the CPU it last ran on: from the first instant the withdrawal is seen,
+no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), is released
+while lent, and a new bound allocation takes the same CPUs: the borrower must never be on them
+again.
+
+``bench`` runs one cyclictest (SCHED_OTHER, a low duty cycle: one wake-up every 10 ms per
+thread) on the owner's CPUs, with the borrower running, and measures two windows of it: lent,
+then with lending off. In each: the owner's wake-up latencies, and the harvest (the borrower's
+user time on the owner's CPUs over the owner's idle time there). Then it times withdrawals:
+from the owner's spinners being woken to the borrow slice's cgroup no longer having its cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dbus_fast import BusType, Variant
+from dbus_fast.aio import MessageBus
+from hotplug import ALLOCATION, Client, parse, result
+
+CGROUP = Path("/sys/fs/cgroup")
+OWNER_CPUS = os.environ.get("CPUSERVICE_LENDING_OWNER", "4")  # bound CPUs, whole cores
+BORROW = CGROUP / "cpuservice.slice/cpuservice-borrow.slice"
+SPIN = Path("/run/lending-spin")
+WAKE = Path("/run/lending-wake")  # a FIFO: the spinners sleep in open() until it is opened
+# no CPU time at all while idle (a look every few ms would be a load of its own under TCG):
+# blocked until WAKE is opened for writing, then busy while SPIN exists
+SPINNER = f"""import os
+while True:
+    os.close(os.open({str(WAKE)!r}, os.O_RDONLY))
+    while os.path.exists({str(SPIN)!r}):
+        pass
+"""
+
+
+def run(*argv: str) -> str:
+    return subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+
+
+def effective(cgroup: Path) -> set[int]:
+    """The cgroup's effective CPUs: those of the nearest cgroup at or above it that has the
+    cpuset controller (systemd enables it only where some unit sets AllowedCPUs)."""
+    while not (cgroup / "cpuset.cpus.effective").exists() and cgroup != CGROUP:
+        cgroup = cgroup.parent
+    return parse((cgroup / "cpuset.cpus.effective").read_text().strip())
+
+
+def group_of(unit: str) -> Path:
+    """The unit's cgroup (it must have one: a unit that is gone has none)."""
+    group = run("systemctl", "show", unit, "-p", "ControlGroup", "--value").strip()
+    if not group:
+        state = run("systemctl", "show", unit, "-p", "ActiveState,SubState,Result")
+        log = subprocess.run(["journalctl", "-q", "-n", "30", "-u", unit], capture_output=True,
+                             text=True).stdout
+        raise SystemExit(f"FAILED STEP: {unit} has no cgroup: {state.split()}\n{log}")
+    return CGROUP / group.lstrip("/")
+
+
+def tasks(cgroup: Path) -> list[int]:
+    """Every thread in the cgroup and below it."""
+    out: list[int] = []
+    for threads in cgroup.rglob("cgroup.threads"):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            out += [int(t) for t in threads.read_text().split()]
+    return out
+
+
+def task_cpus(tid: int) -> tuple[set[int], int] | None:
+    """A thread's Cpus_allowed_list and the CPU it last ran on (None: it is gone)."""
+    try:
+        status = Path(f"/proc/{tid}/status").read_text()
+        stat = Path(f"/proc/{tid}/stat").read_text()
+    except OSError:
+        return None
+    allowed = next(parse(line.split(":", 1)[1].strip()) for line in status.splitlines()
+                   if line.startswith("Cpus_allowed_list:"))
+    return allowed, int(stat.rsplit(")", 1)[1].split()[36])  # field 39: processor
+
+
+def cpu_user(cpus: set[int]) -> float:
+    """Seconds the CPUs ran user code since boot (/proc/stat: user and nice). The borrower's
+    stress-ng is all user time; the kernel's own work there (interrupts, softirqs, kernel
+    threads) is not, and is no one's harvest."""
+    hz = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+            total += int(fields[0]) + int(fields[1])
+    return total / hz
+
+
+def usage(cgroup: Path, key: str = "usage_usec") -> float:
+    """Seconds of CPU time the cgroup used (cpu.stat ``key``: usage_usec, user_usec)."""
+    for line in (cgroup / "cpu.stat").read_text().splitlines():
+        if line.startswith(f"{key} "):
+            return int(line.split()[1]) / 1e6
+    raise RuntimeError(f"no {key} in {cgroup}")
+
+
+class Lab:
+    def __init__(self, c: Client) -> None:
+        self.c = c
+        self.cpus: set[int] = set()
+        self.owner_unit = ""
+
+    async def setup(self) -> None:
+        online = len(parse(Path("/sys/devices/system/cpu/online").read_text().strip()))
+        for name in await self.c.allocations():  # earlier scenarios of the boot may leave some
+            await self.c.call("Release", "s", [name])
+        await self.c.call("Allocate", "ssa{sv}", ["owner", OWNER_CPUS, {
+            "bind": Variant("b", True), "lend": Variant("b", True),
+            "policy": Variant("s", "full-pcpus")}])
+        await self.c.call("Allocate", "ssa{sv}", ["borrower", str(online),
+                                                  {"borrow": Variant("b", True)}])
+        rows = await self.c.allocations()
+        self.cpus = parse(rows["owner"][3])
+        self.owner_unit = str(await self.c.prop("Unit", rows["owner"][4], ALLOCATION))
+        SPIN.unlink(missing_ok=True)
+        WAKE.unlink(missing_ok=True)
+        os.mkfifo(WAKE)
+        for i in range(2):  # asleep until woken: then each keeps a CPU busy while SPIN is
+            run("systemd-run", f"--slice={self.owner_unit}", f"--unit=lend-spin{i}",
+                "python3", "-c", SPINNER)
+        # one integer method: the default cycles through methods whose vector instructions
+        # QEMU's software CPU claims but does not implement (SIGILL)
+        run("systemd-run", "--slice=cpuservice-borrow-borrower.slice", "--unit=lend-borrower",
+            "stress-ng", "--cpu", str(online), "--cpu-method", "fibonacci", "--timeout", "3600")
+
+    async def lent(self) -> set[int]:
+        path = (await self.c.allocations())["owner"][4]
+        return parse(str(await self.c.prop("LentCPUs", path, ALLOCATION)))
+
+    async def wait_lent(self, seconds: float = 30.0) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < seconds:
+            if await self.lent() == self.cpus and self.cpus <= effective(BORROW):
+                return time.monotonic() - start
+            await asyncio.sleep(0.02)
+        raise SystemExit(f"FAILED STEP: the owner's CPUs {sorted(self.cpus)} were not lent "
+                         f"within {seconds} s")
+
+    def borrower_on(self, cpus: set[int]) -> list[str]:
+        """Where the borrower is on ``cpus``: the borrow slice's and its own cgroup's
+        effective CPUs, its tasks' masks, the CPU each last ran on."""
+        found = []
+        own = group_of("lend-borrower")
+        for name, group in (("borrow slice", BORROW), ("borrower cgroup", own)):
+            if effective(group) & cpus:
+                found.append(f"{name} effective {sorted(effective(group) & cpus)}")
+        for tid in tasks(own):
+            seen = task_cpus(tid)
+            if seen is None:
+                continue
+            allowed, last = seen
+            if allowed & cpus:
+                found.append(f"task {tid} Cpus_allowed_list {sorted(allowed)}")
+            if last in cpus:
+                found.append(f"task {tid} last ran on {last}")
+        return found
+
+    async def withdraw(self, seconds: float = 20.0) -> float:
+        """Start the owner's spinners; ms until the borrow slice has none of its CPUs."""
+        start = time.monotonic()
+        SPIN.touch()
+        self.wake()
+        while effective(BORROW) & self.cpus:
+            if time.monotonic() - start > seconds:
+                raise SystemExit("FAILED STEP: the lent cores were not withdrawn within "
+                                 f"{seconds} s of the owner getting busy")
+            await asyncio.sleep(0.002)
+        return (time.monotonic() - start) * 1000
+
+    def wake(self) -> None:
+        """Open WAKE for writing: every spinner blocked in its open() returns."""
+        try:
+            os.close(os.open(WAKE, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:  # ENXIO: no spinner is waiting
+            raise SystemExit(f"FAILED STEP: no spinner to wake: {exc}") from None
+
+    def idle(self) -> None:
+        SPIN.unlink(missing_ok=True)
+
+    def teardown(self) -> None:
+        self.idle()
+        for unit in ("lend-spin0", "lend-spin1", "lend-borrower", "lend-cyclictest"):
+            subprocess.run(["systemctl", "stop", unit], capture_output=True)
+
+
+async def watch(lab: Lab, cpus: set[int], seconds: float) -> list[str]:
+    """Every 10 ms for ``seconds``: where the borrower is on ``cpus`` (should be nowhere)."""
+    out: list[str] = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        out += [f"{time.monotonic() - end + seconds:.3f}s: {x}" for x in lab.borrower_on(cpus)]
+        await asyncio.sleep(0.01)
+    return out
+
+
+async def ran_on(lab: Lab, seconds: float) -> set[int]:
+    """The CPUs the borrower's tasks were seen last running on, every 10 ms for ``seconds``."""
+    seen: set[int] = set()
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        seen |= {x[1] for tid in tasks(group_of("lend-borrower"))
+                 if (x := task_cpus(tid)) is not None}
+        await asyncio.sleep(0.01)
+    return seen
+
+
+# the kernel updates a cgroup's effective CPUs, then its tasks' masks, in one write: a look
+# right after the first may catch the second half-way; what counts is from this long after
+SETTLE = 0.05
+
+
+async def check(c: Client) -> None:
+    lab = Lab(c)
+    await lab.setup()
+    try:
+        took = await lab.wait_lent()
+        ran = sorted(await ran_on(lab, 2.0) & lab.cpus)  # the borrower spreads onto them
+        result(check="lent", cpus=sorted(lab.cpus), seconds=took,
+               borrow_slice=sorted(effective(BORROW)),
+               borrower_cgroup=sorted(effective(group_of("lend-borrower"))), ran_on_lent=ran)
+        ms = await lab.withdraw()
+        settle = await watch(lab, lab.cpus, SETTLE)
+        result(check="withdrawn", ms=ms, settle=settle, after=await watch(lab, lab.cpus, 3.0),
+               lent=sorted(await lab.lent()))
+        lab.idle()
+        again = await lab.wait_lent()
+        result(check="lent-again", seconds=again)
+        # released while lent; a new owner of the same CPUs: never the borrower's again
+        await c.call("Release", "s", ["owner"])
+        await c.call("Allocate", "ssa{sv}", ["newowner", str(len(lab.cpus)), {
+            "bind": Variant("b", True), "cpuset": Variant("s", ",".join(map(str, lab.cpus)))}])
+        settle = await watch(lab, lab.cpus, SETTLE)
+        result(check="new-owner", settle=settle, after=await watch(lab, lab.cpus, 2.0),
+               borrow_slice=sorted(effective(BORROW)))
+        await c.call("Release", "s", ["newowner"])
+    finally:
+        lab.teardown()
+        await c.call("Release", "s", ["borrower"])
+
+
+INTERVAL_US = 10_000  # cyclictest's period: one wake-up every 10 ms per thread
+CYCLICTEST_OUT = Path("/run/lending-cyclictest.out")
+
+
+def p99(latencies: list[int]) -> tuple[float, float]:
+    """p99 and max of wake-up latencies in µs."""
+    if not latencies:
+        raise SystemExit("FAILED STEP: cyclictest measured nothing in a phase")
+    ordered = sorted(latencies)
+    return float(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]), float(ordered[-1])
+
+
+class Cyclictest:
+    """cyclictest on the owner's CPUs, in its slice, for the whole benchmark: one thread per
+    CPU, SCHED_OTHER, a wake-up every 10 ms, every latency printed (-v). One run for both
+    phases: its start (exec, memory locking) is a burst of the owner's load that withdraws
+    what is lent, so the phases are time windows of one run, chosen once lending is back.
+    Cycle k of a thread happens no earlier than the unit's start + k periods, so a window
+    [a, b] keeps the cycles nominally in [a, b - margin]."""
+
+    MARGIN = 1.0  # s: cyclictest's own start-up delay (exec, mlock) is less than this
+
+    def __init__(self, lab: Lab) -> None:
+        cpus = ",".join(map(str, sorted(lab.cpus)))
+        CYCLICTEST_OUT.unlink(missing_ok=True)
+        run("systemd-run", "--quiet", f"--slice={lab.owner_unit}", "--unit=lend-cyclictest",
+            f"--property=StandardOutput=file:{CYCLICTEST_OUT}", "cyclictest", "--mlockall",
+            "--verbose", f"--interval={INTERVAL_US}", f"--threads={len(lab.cpus)}",
+            f"--affinity={cpus}")
+        started = run("systemctl", "show", "lend-cyclictest", "-p",
+                      "ExecMainStartTimestampMonotonic", "--value").strip()
+        self.start = int(started) / 1e6  # CLOCK_MONOTONIC, as time.monotonic()
+
+    def stop(self) -> dict[int, list[int]]:
+        """End it; the latencies (µs) by cycle number, all threads together."""
+        run("systemctl", "stop", "lend-cyclictest")
+        cycles: dict[int, list[int]] = {}
+        for line in CYCLICTEST_OUT.read_text().splitlines():
+            parts = line.replace(" ", "").split(":")
+            if len(parts) == 3 and all(p.isdigit() for p in parts):
+                cycles.setdefault(int(parts[1]), []).append(int(parts[2]))
+        return cycles
+
+    def window(self, cycles: dict[int, list[int]], a: float, b: float) -> list[int]:
+        first = (a - self.start) * 1e6 / INTERVAL_US
+        last = (b - self.MARGIN - self.start) * 1e6 / INTERVAL_US
+        return [x for k, values in cycles.items() if first <= k <= last for x in values]
+
+
+class Harvest:
+    """The share of the owner's idle time on its CPUs that others' user code used, over a
+    ``with`` block: the user time of those CPUs (/proc/stat) less the owner's own (cpu.stat
+    user_usec), over the CPUs' time less all the owner used. ``start``, ``end``: the block's
+    monotonic times."""
+
+    def __init__(self, lab: Lab, owner: Path) -> None:
+        self.lab, self.owner, self.value = lab, owner, 0.0
+        self.start = self.end = 0.0
+
+    def _read(self) -> tuple[float, float, float]:
+        return (cpu_user(self.lab.cpus), usage(self.owner),
+                usage(self.owner, "user_usec"))
+
+    def __enter__(self) -> Harvest:
+        self.before = self._read()
+        self.start = time.monotonic()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.end = time.monotonic()
+        user, used, owner_user = (b - a for a, b in zip(self.before, self._read(), strict=True))
+        idle = len(self.lab.cpus) * (self.end - self.start) - used
+        self.value = (user - owner_user) / idle if idle > 0 else 0.0
+
+
+async def phase(lab: Lab, owner: Path, seconds: float) -> tuple[Harvest, bool]:
+    """One measured phase: the harvest over ``seconds``, and whether what was lent at its
+    start stayed lent throughout (looked at every 100 ms)."""
+    before = await lab.lent()
+    steady = True
+    with Harvest(lab, owner) as harvest:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            await asyncio.sleep(0.1)
+            steady = steady and await lab.lent() == before
+    return harvest, steady
+
+
+async def bench(c: Client, rounds: int) -> None:
+    lab = Lab(c)
+    await lab.setup()
+    seconds = int(os.environ.get("CPUSERVICE_LENDING_SECONDS", "30"))
+    try:
+        await lab.wait_lent()
+        owner = group_of(lab.owner_unit)
+        test = Cyclictest(lab)
+        relent = await lab.wait_lent()  # after the withdrawal cyclictest's start caused
+        lent, lent_steady = await phase(lab, owner, seconds)
+        await c.call("SetLending", "sb", ["owner", False])
+        unlent, unlent_steady = await phase(lab, owner, seconds)
+        cycles = test.stop()
+        unlent_p99, unlent_max = p99(test.window(cycles, unlent.start, unlent.end))
+        lent_p99, lent_max = p99(test.window(cycles, lent.start, lent.end))
+        await c.call("SetLending", "sb", ["owner", True])
+        await lab.wait_lent()
+        times = []
+        for _ in range(rounds):
+            times.append(await lab.withdraw())
+            lab.idle()
+            await lab.wait_lent()
+        times.sort()
+        result(check="bench", unlent_p99=unlent_p99, lent_p99=lent_p99, unlent_max=unlent_max,
+               lent_max=lent_max, harvest=lent.value, unlent_harvest=unlent.value,
+               lent_throughout=lent_steady and unlent_steady, relent_seconds=relent,
+               samples=len(test.window(cycles, lent.start, lent.end)),
+               withdraw_p50=times[len(times) // 2], withdraw_max=times[-1], rounds=rounds,
+               seconds=seconds)
+    finally:
+        lab.teardown()
+        await c.call("Release", "s", ["owner"])
+        await c.call("Release", "s", ["borrower"])
+
+
+async def main(argv: list[str]) -> None:
+    bus = await MessageBus(bus_type=BusType.SYSTEM).connect()
+    c = Client(bus)
+    if argv[0] == "check":
+        await check(c)
+    elif argv[0] == "bench":
+        await bench(c, int(argv[1]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1:]))
