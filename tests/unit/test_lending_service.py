@@ -25,6 +25,7 @@ from cpuservice.model.errors import CPUServiceError, InvalidArgument
 from cpuservice.shell.service import Service
 from tests.props import examples
 from tests.unit.fake_systemd import BORROW, Crash
+from tests.unit.test_lending_apply import lent_map
 from tests.unit.test_metrics import parse
 from tests.unit.test_service_fake import Host, agree, check_window, run
 
@@ -55,14 +56,6 @@ async def lender(host: Host, cpus: str = "4") -> Service:
     await svc.allocate("b", "2", {"borrow": True}, 1000)
     host.usage[group(svc, "o")] = 0
     return svc
-
-
-def lent_map(svc: Service, *names: str) -> dict[int, str]:
-    out: dict[int, str] = {}
-    for name in names:
-        a = svc.ledger.allocations[name]
-        out.update(dict.fromkeys(lending.lendable(svc.topology, a), svc.record(name).unit))
-    return out
 
 
 def test_an_idle_owner_lends_and_a_busy_one_is_withdrawn(tmp_path: Path) -> None:
