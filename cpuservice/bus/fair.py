@@ -10,6 +10,11 @@ read waits for its turn instead:
 - **round robin**: each connection with reads waiting gets a turn in order, so a connection with
   128 reads queued delays another's single read by one read, not by 128;
 - **half the loop at most**: after a read that took t, the next starts t later (``share``);
+- **a bounded stream of bytes**: after a reply of n bytes, the next read starts no sooner than
+  n / ``rate`` later. Replies leave on the daemon's one connection to the bus, and the bus
+  holds them until their callers read them: a megabyte reply every millisecond to callers who
+  read slowly filled the bus's buffers, and then every other reply (a Ping's, an Allocate's)
+  waited behind them for hundreds of milliseconds;
 - **bounded**: a connection may have ``per_sender`` reads waiting, all of them together
   ``total`` beyond each connection's first; past that a read is refused at once (``Refused``:
   LimitExceeded to the caller). A connection's first read is never refused (the bus bounds the
@@ -28,18 +33,26 @@ PER_SENDER = 128  # reads one connection may have waiting: as many calls as the 
 # it have pending; a bus with a higher limit (a session bus: 50,000) meets this one
 TOTAL = 4096  # reads waiting beyond each connection's first
 SHARE = 0.5  # of the event loop's time that reads may take while they queue
+RATE = 16 << 20  # bytes per second that replies to reads may send while they queue
 
 
 class Refused(Exception):
     """Too many reads are waiting; the text names the bound."""
 
 
+class Turn:
+    """The body's account of its read: ``sent``, the bytes of its reply."""
+
+    sent = 0
+
+
 class Turns:
     def __init__(self, per_sender: int = PER_SENDER, total: int = TOTAL,
-                 share: float = SHARE) -> None:
+                 share: float = SHARE, rate: float = RATE) -> None:
         self.per_sender = per_sender
         self.total = total
         self.rest = (1 - share) / share  # pause per second of read
+        self.rate = rate
         self._waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
         self._count: dict[str, int] = {}  # per connection: waiting, or holding the turn
         self._extra = 0  # waiting reads beyond each connection's first
@@ -50,7 +63,7 @@ class Turns:
         return self._count.get(sender, 0)
 
     @contextlib.asynccontextmanager
-    async def turn(self, sender: str) -> AsyncIterator[None]:
+    async def turn(self, sender: str) -> AsyncIterator[Turn]:
         """Wait for ``sender``'s turn, hold it for the body; Refused past the bounds."""
         held = self._count.get(sender, 0)
         if held >= self.per_sender:
@@ -74,12 +87,13 @@ class Turns:
                     raise
             else:
                 self._busy = True
-            start = time.monotonic()
+            start, account = time.monotonic(), Turn()
             try:
-                yield
+                yield account
             finally:
                 self.served += 1
-                self._finished(time.monotonic() - start)
+                self._finished(max((time.monotonic() - start) * self.rest,
+                                   account.sent / self.rate))
         finally:
             self._extra -= extra
             left = self._count[sender] - 1
@@ -88,8 +102,7 @@ class Turns:
             else:
                 del self._count[sender]
 
-    def _finished(self, took: float) -> None:
-        pause = took * self.rest
+    def _finished(self, pause: float) -> None:
         if pause > 0.0002 and self._waiting:
             asyncio.get_running_loop().call_later(pause, self._next)
         else:

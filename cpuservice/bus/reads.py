@@ -123,7 +123,8 @@ class Reads:
         self._entries: dict[str, tuple[object, bytes]] = {}  # path -> (values, entry bytes)
         self._getall: dict[str, tuple[object, bytes]] = {}  # path -> (values, body bytes)
         self._manager: tuple[tuple[object, ...], dict[str, Variant]] | None = None
-        self._introspection: dict[str, str] = {}
+        self._manager_body: tuple[tuple[object, ...], bytes] | None = None
+        self._introspection: dict[str, bytes] = {}  # path -> body
         self._managed: dict[str, tuple[tuple[object, ...], bytes]] = {}  # path -> (key, body)
         self._version = 0  # of the set of objects
         self._tasks: set[asyncio.Task[None]] = set()
@@ -177,9 +178,11 @@ class Reads:
 
     async def _answer(self, msg: Message, answer: Callable[[Message], Message]) -> None:
         try:
-            async with self.turns.turn(msg.sender or ""):
+            async with self.turns.turn(msg.sender or "") as turn:
                 if self.bus.connected:  # (a daemon that stops has no one to answer)
-                    await self.bus.send(answer(msg))  # the turn ends once it has left
+                    reply = answer(msg)
+                    turn.sent = len(reply.prepared) if isinstance(reply, Prepared) else 0
+                    await self.bus.send(reply)  # the turn ends once it has left
         except Refused as exc:
             reply = Message.new_error(msg, LimitExceeded.dbus_name, str(exc))
         except Exception:
@@ -242,7 +245,10 @@ class Reads:
     def _get_all(self, msg: Message) -> Message:
         path = msg.path or ""
         if path == PATH:
-            return Message.new_method_return(msg, "a{sv}", [self._manager_values()])
+            key = self.host.manager_key()
+            if self._manager_body is None or not _same(self._manager_body[0], key):
+                self._manager_body = (key, body_bytes("a{sv}", self._manager_values()))
+            return Prepared(msg, "a{sv}", self._manager_body[1])
         values = self._values(path)
         cached = self._getall.get(path)
         if cached is None or cached[0] is not values:
@@ -268,12 +274,12 @@ class Reads:
 
     def _introspect(self, msg: Message) -> Message:
         path = msg.path or ""
-        xml = self._introspection.get(path)
-        if xml is None:
-            xml = self._node(path).tostring()
+        body = self._introspection.get(path)
+        if body is None:
+            body = body_bytes("s", self._node(path).tostring())
             if path in ANCESTORS or path in self.allocations:
-                self._introspection[path] = xml  # a bounded set: the objects and above them
-        return Message.new_method_return(msg, "s", [xml])
+                self._introspection[path] = body  # a bounded set: the objects and above them
+        return Prepared(msg, "s", body)
 
     def _node(self, path: str) -> intr.Node:
         """The introspection of ``path``: its interfaces, and its children's names."""

@@ -8,6 +8,8 @@ callers of other uids (nobody) connect to the same socket.
         # CONNECTIONS connections, each keeping DEPTH bulk reads pending for SECONDS
         # (GetManagedObjects, GetAll of every allocation, Introspect, in turn by connection);
         # prints {"replies": N, "errors": {name: N}} as JSON
+    python3 -m tests.envs.privbus flood ADDRESS SECONDS CONNECTIONS DEPTH noread
+        # the same calls, DEPTH on each connection, whose replies are never read
 
 The daemon's process also measures how late its event loop runs a timer due every 50 ms (the
 lending loop's sample period): how long anything that waits for the loop (the lending loop's
@@ -169,15 +171,19 @@ async def populate(address: str, n: int) -> None:
 
 
 async def measure(address: str, seconds: float) -> dict[str, float]:
-    """Ping every 20 ms for ``seconds`` (p50, p99), then Allocate and Release ten times
-    (median of the Allocates)."""
+    """Ping cpuservice every 20 ms for ``seconds`` (p50, p99; and dbus-daemon itself, p99:
+    what the bus adds), then Allocate and Release ten times (median of the Allocates)."""
     bus = await MessageBus(bus_address=address).connect()
-    pings, allocates = [], []
+    pings, bus_pings, allocates = [], [], []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         start = time.perf_counter()
         await call(bus, "Ping", path="/org/cpuservice1", interface="org.freedesktop.DBus.Peer")
         pings.append(time.perf_counter() - start)
+        start = time.perf_counter()  # the same question to dbus-daemon itself
+        await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
+                               interface="org.freedesktop.DBus.Peer", member="Ping"))
+        bus_pings.append(time.perf_counter() - start)
         await asyncio.sleep(0.02)
     for i in range(10):
         start = time.perf_counter()
@@ -187,18 +193,20 @@ async def measure(address: str, seconds: float) -> dict[str, float]:
         assert (await call(bus, "Release", "s", [f"m{i}"])).error_name is None
     bus.disconnect()
     pings.sort()
+    bus_pings.sort()
     return {"ping_p50": statistics.median(pings), "ping_p99": pings[int(len(pings) * 0.99)],
+            "bus_ping_p99": bus_pings[int(len(bus_pings) * 0.99)],
             "allocate": statistics.median(allocates)}
 
 
 @contextlib.contextmanager
-def flood_as_nobody(address: str, seconds: float, connections: int,
-                    depth: int) -> Iterator[Callable[[], dict[str, Any]]]:
+def flood_as_nobody(address: str, seconds: float, connections: int, depth: int,
+                    reading: bool = True) -> Iterator[Callable[[], dict[str, Any]]]:
     """The flood below, run as uid 65534 for ``seconds``; the body's value gives its result
     (replies, errors by name) once it ended."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.envs.privbus", "flood", address, str(seconds),
-         str(connections), str(depth)],
+         str(connections), str(depth), *([] if reading else ["noread"])],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
         text=True, user=NOBODY, group=NOBODY, extra_groups=[])
     out: list[str] = []
@@ -216,7 +224,8 @@ BULK = [("org.freedesktop.DBus.ObjectManager", "GetManagedObjects", "", []),
         ("org.freedesktop.DBus.Introspectable", "Introspect", "", [])]
 
 
-async def _flood(address: str, seconds: float, connections: int, depth: int) -> dict[str, Any]:
+async def _flood(address: str, seconds: float, connections: int, depth: int,
+                 reading: bool = True) -> dict[str, Any]:
     from dbus_fast import Message, MessageType
     from dbus_fast.aio import MessageBus
 
@@ -231,6 +240,14 @@ async def _flood(address: str, seconds: float, connections: int, depth: int) -> 
                                        interface="org.cpuservice1.Manager",
                                        member="ListAllocations"))
         paths = [row[4] for row in reply.body[0]] if reply.body else []
+        if not reading:  # a caller that never reads a reply: the bus keeps them for it
+            asyncio.get_running_loop().remove_reader(bus._fd or -1)
+            for n in range(depth):
+                bus.send(Message(destination="org.cpuservice1", path=paths[n % len(paths)]
+                                 if member == "GetAll" else "/org/cpuservice1", interface=interface,
+                                 member=member, signature=signature, body=body))
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            return
 
         async def keep(n: int) -> None:
             nonlocal replies
@@ -258,9 +275,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["serve"] and len(argv) == 4:
         asyncio.run(_serve(argv[1], Path(argv[2]), argv[3]))
         return 0
-    if argv[:1] == ["flood"] and len(argv) == 5:
+    if argv[:1] == ["flood"] and len(argv) in (5, 6):
         print(json.dumps(asyncio.run(_flood(argv[1], float(argv[2]), int(argv[3]),
-                                            int(argv[4])))))
+                                            int(argv[4]), argv[5:] != ["noread"]))))
         return 0
     print(__doc__, file=sys.stderr)
     return 2
