@@ -45,6 +45,7 @@ from cpuservice.model.errors import (
     LimitExceeded,
     NoSuchAllocation,
 )
+from cpuservice.shell.engine import Snapshot
 from cpuservice.shell.service import Service
 
 __all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
@@ -155,11 +156,14 @@ class Manager(Callers, ServiceInterface):
     def count_request(self, method: str, result: str) -> None:
         self.service.count_request(method, result)
 
-    def allocation_values(self, name: str) -> dict[str, Any]:
-        """All properties of an allocation, from the service's current state. Computed once
-        per state (the state and the topology are replaced, never changed, on every change):
-        GetAll and GetManagedObjects read every property of every allocation one at a time."""
-        snap = self.service.snapshot()
+    def snapshot(self) -> Snapshot:
+        return self.service.snapshot()
+
+    def allocation_values(self, name: str, snap: Snapshot | None = None) -> dict[str, Any]:
+        """All properties of an allocation, from the service's current state (or ``snap``).
+        Computed once per state (the state and the topology are replaced, never changed, on
+        every change): GetAll and GetManagedObjects read every allocation's properties."""
+        snap = snap or self.service.snapshot()
         key = (snap.state, snap.topology, snap.partition_report(name))
         cached = self._values.get(name)
         if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
@@ -167,11 +171,11 @@ class Manager(Callers, ServiceInterface):
                                                                  name, key[2]))
         return cached[1]
 
-    def manager_key(self) -> tuple[object, ...]:
+    def manager_key(self, snap: Snapshot | None = None) -> tuple[object, ...]:
         """What the Manager's and the allocations' properties are computed from: the service's
         state, topology, capabilities and interrupt report (each replaced, never changed) and
         the kernel's partition reports."""
-        snap = self.service.snapshot()
+        snap = snap or self.service.snapshot()
         return (snap.state, snap.topology, snap.capabilities, snap.irqs, snap.partition_reports)
 
     @method()

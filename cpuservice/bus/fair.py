@@ -1,5 +1,5 @@
 """Fair turns for the reads any local user may make (issue 37): one read at a time, round robin
-over the connections that wait, at most half of the event loop's time.
+over the connections that wait, at most a fifth of the time while they queue.
 
 dbus-fast reads every call buffered on the daemon's one bus connection in one go, so 128 calls
 pipelined by each of a few connections used to run back to back while everything else (another
@@ -9,7 +9,8 @@ read waits for its turn instead:
   the next read, so it waits for one read at most, never for a caller's whole pipeline;
 - **round robin**: each connection with reads waiting gets a turn in order, so a connection with
   128 reads queued delays another's single read by one read, not by 128;
-- **half the loop at most**: after a read that took t, the next starts t later (``share``);
+- **a fifth of the time at most**: after a read that took t (its reply written to the bus
+  included), the next starts 4t later (``share``);
 - **a bounded stream of bytes**: after a reply of n bytes, the next read starts no sooner than
   n / ``rate`` later. Replies leave on the daemon's one connection to the bus, and the bus
   holds them until their callers read them: a megabyte reply every millisecond to callers who
@@ -32,7 +33,9 @@ from collections.abc import AsyncIterator
 PER_SENDER = 128  # reads one connection may have waiting: as many calls as the system bus lets
 # it have pending; a bus with a higher limit (a session bus: 50,000) meets this one
 TOTAL = 4096  # reads waiting beyond each connection's first
-SHARE = 0.5  # of the event loop's time that reads may take while they queue
+SHARE = 0.2  # of the time that reads (their replies written to the bus included) may take
+# while they queue: a reply of a megabyte holds the bus connection for milliseconds, and every
+# other message (an Allocate's calls to systemd, its reply) waits behind it meanwhile
 RATE = 16 << 20  # bytes per second that replies to reads may send while they queue
 
 

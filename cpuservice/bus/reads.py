@@ -6,8 +6,8 @@ properties of all allocations one at a time (quadratic in its bookkeeping) and m
 anew for every caller, 99-443 ms at 1,000 allocations, and 128 of them pipelined on a
 connection froze the daemon for seconds. Here a message handler, which runs before dbus-fast's
 own dispatch, takes these calls and answers them
-- **in turn** (cpuservice.bus.fair): one at a time, round robin over connections, at most half
-  the event loop's time, a bounded number waiting;
+- **in turn** (cpuservice.bus.fair): one at a time, round robin over connections, at most a
+  fifth of the time, a bounded number waiting;
 - **from what was built before**: every allocation's entry is marshalled once for each value it
   takes, and a reply is the entries' bytes joined behind a header of its own (``Prepared``), so
   answering costs a copy, not a marshalling (after a change, only the entries whose values
@@ -20,6 +20,7 @@ own dispatch, takes these calls and answers them
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -36,8 +37,10 @@ from cpuservice.bus.objects import (
     PATH,
     Allocation,
     current_call,
+    path_of,
 )
 from cpuservice.model.errors import LimitExceeded
+from cpuservice.shell.engine import Snapshot
 
 log = logging.getLogger(__name__)
 MANAGER_IFACE = "org.cpuservice1.Manager"
@@ -49,6 +52,8 @@ MANAGED = "a{oa{sa{sv}}}"
 # the paths above the objects: GetManagedObjects there lists the objects below
 ALLOCATIONS = ALLOCATION_PREFIX.rstrip("/")
 ANCESTORS = ("/", "/org", PATH, ALLOCATIONS)
+SLICE = 0.002  # seconds a reply is built for before the loop runs what else is ready
+Answer = Callable[[Message], Awaitable[Message]]
 
 
 class Prepared(Message):
@@ -103,9 +108,11 @@ def managed_body(entries: Iterable[bytes]) -> bytes:
 class Host(Protocol):
     """What the reads ask of the Manager."""
 
-    def allocation_values(self, name: str) -> dict[str, Any]: ...
+    def snapshot(self) -> Snapshot: ...
 
-    def manager_key(self) -> tuple[object, ...]:
+    def allocation_values(self, name: str, snap: Snapshot | None = None) -> dict[str, Any]: ...
+
+    def manager_key(self, snap: Snapshot | None = None) -> tuple[object, ...]:
         """What the properties are computed from (objects compared by identity, mappings by
         value)."""
 
@@ -161,7 +168,7 @@ class Reads:
             task.add_done_callback(self._tasks.discard)
         return True
 
-    def _answerer(self, msg: Message) -> Callable[[Message], Message] | None:
+    def _answerer(self, msg: Message) -> Answer | None:
         member, path = msg.member, msg.path or ""
         if msg.interface == OBJECT_MANAGER and member == "GetManagedObjects":
             return self._managed_objects
@@ -176,11 +183,11 @@ class Reads:
             return self._get
         return None  # dbus-fast answers the rest (errors, Set): no bulk work
 
-    async def _answer(self, msg: Message, answer: Callable[[Message], Message]) -> None:
+    async def _answer(self, msg: Message, answer: Answer) -> None:
         try:
             async with self.turns.turn(msg.sender or "") as turn:
                 if self.bus.connected:  # (a daemon that stops has no one to answer)
-                    reply = answer(msg)
+                    reply = await answer(msg)
                     turn.sent = len(reply.prepared) if isinstance(reply, Prepared) else 0
                     await self.bus.send(reply)  # the turn ends once it has left
         except Refused as exc:
@@ -198,7 +205,7 @@ class Reads:
 
     # ---- the answers ----
 
-    def _managed_objects(self, msg: Message) -> Message:
+    async def _managed_objects(self, msg: Message) -> Message:
         if msg.signature != "":
             return Message.new_error(msg, ErrorType.UNKNOWN_METHOD.value,
                                      f"GetManagedObjects takes no arguments, not "
@@ -206,27 +213,42 @@ class Reads:
         path = msg.path or ""
         if path not in ANCESTORS:
             return Prepared(msg, MANAGED, managed_body(()))
-        key = (self._version, *self.host.manager_key())
+        snap = self.host.snapshot()
+        key = self.host.manager_key(snap)
         cached = self._managed.get(path)
         if cached is None or not _same(cached[0], key):
-            entries = [self._entry(p) for p in sorted(self.allocations)]
-            if path in ("/", "/org") and self.manager is not None:
-                entries.insert(0, entry_bytes(PATH, {MANAGER_IFACE: self._manager_values()}))
-            cached = self._managed[path] = (key, managed_body(entries))
+            cached = self._managed[path] = (key, await self._build(path, snap))
         return Prepared(msg, MANAGED, cached[1])
+
+    async def _build(self, path: str, snap: Snapshot) -> bytes:
+        """A GetManagedObjects body as of ``snap``. After a change every allocation's values
+        are computed again (18 ms at 1,000 allocations): the loop is yielded every few
+        milliseconds meanwhile, so that a change's next step or the lending loop's sample does
+        not wait for all of it (other reads do: the turn is held)."""
+        entries = []
+        if path in ("/", "/org") and self.manager is not None:
+            entries.append(entry_bytes(PATH, {MANAGER_IFACE: self._manager_values()}))
+        since = time.monotonic()
+        for name in sorted(snap.state.ledger.allocations):
+            entries.append(self._entry(path_of(name), self.host.allocation_values(name, snap)))
+            if time.monotonic() - since > SLICE:
+                await asyncio.sleep(0)
+                since = time.monotonic()
+        return managed_body(entries)
 
     def _values(self, path: str) -> dict[str, Any]:
         return self.host.allocation_values(self.allocations[path].allocation)
 
-    def _entry(self, path: str) -> bytes:
+    def _entry(self, path: str, values: dict[str, Any]) -> bytes:
         """An allocation's entry, marshalled again only when its values changed."""
-        values = self._values(path)
         cached = self._entries.get(path)
         if cached is None or cached[0] is not values:
             same = cached is not None and cached[0] == values
             data = cached[1] if cached is not None and same else entry_bytes(
                 path, {ALLOCATION_IFACE: self._variants(values)})
-            cached = self._entries[path] = (values, data)
+            cached = (values, data)
+            if path in self.allocations:  # (not one released while the reply was built)
+                self._entries[path] = cached
         return cached[1]
 
     @staticmethod
@@ -242,7 +264,7 @@ class Reads:
                                    for p in props})
         return self._manager[1]
 
-    def _get_all(self, msg: Message) -> Message:
+    async def _get_all(self, msg: Message) -> Message:
         path = msg.path or ""
         if path == PATH:
             key = self.host.manager_key()
@@ -258,7 +280,7 @@ class Reads:
             cached = self._getall[path] = (values, data)
         return Prepared(msg, "a{sv}", cached[1])
 
-    def _get(self, msg: Message) -> Message:
+    async def _get(self, msg: Message) -> Message:
         path, name = msg.path or "", msg.body[1]
         if path == PATH:
             values = self._manager_values()
@@ -272,7 +294,7 @@ class Reads:
                                      f'"{name}"')
         return Message.new_method_return(msg, "v", [value])
 
-    def _introspect(self, msg: Message) -> Message:
+    async def _introspect(self, msg: Message) -> Message:
         path = msg.path or ""
         body = self._introspection.get(path)
         if body is None:

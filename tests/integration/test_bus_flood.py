@@ -60,10 +60,13 @@ def test_nobodys_bulk_reads_hold_up_no_one(bus: PrivateSystemBus, reading: bool)
     assert served["replies"] > 0 or not reading, served  # answered, not dropped
     assert set(served["errors"]) <= {"org.cpuservice1.Error.LimitExceeded"}, served
     # The goals (Ping p99 <= 100 ms, Allocate <= 2x idle, the timer <= 100 ms late) are checked
-    # by `make bench-bus` on a quiet machine; a test on a loaded 2-core machine (four busy
-    # processes here) keeps a margin of 5x. Before the fix a Ping waited 12.6-39.9 s.
-    assert loaded["ping_p99"] <= 0.5, (idle, loaded)
-    assert loaded["allocate"] <= 5 * idle["allocate"], (idle, loaded)
+    # by `make bench-bus` on a quiet machine. This test runs beside other tiers on a 2-core
+    # machine (four busy processes of its own, a VM boot or an image build beside it), so it
+    # keeps a margin that such load does not reach and the old code's failure cannot pass: there
+    # a Ping waited 12.6-39.9 s behind one such connection, and this flood made the daemon drop
+    # off the bus.
+    assert loaded["ping_p99"] <= 1.0, (idle, loaded)
+    assert loaded["allocate"] <= max(5 * idle["allocate"], idle["allocate"] + 0.25), (idle, loaded)
     assert loop["p99"] <= 0.5, loop  # the lending loop's timer: withdrawals are not held up
 
 
