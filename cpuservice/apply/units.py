@@ -177,10 +177,10 @@ def describe(name: str, fields: Mapping[str, str]) -> str:
 
 
 # the options a Description always records, in this order, and those it records when set
-# (a partition, explicit CPUs, movable, lend, borrow: so that Descriptions written before they
-# existed stay the same), after the owner and the whole CPUs
-OPTIONAL = tuple(o for o in OPTIONS
-                 if o.key in ("partition", "cpuset", "movable", "lend", "borrow"))
+# (a partition, explicit CPUs, movable, lend, borrow, near: so that Descriptions written before
+# they existed stay the same), after the owner and the whole CPUs
+OPTIONAL = tuple(o for o in OPTIONS if o.key in (
+    "partition", "cpuset", "movable", "lend", "borrow", "near", "near-policy"))
 DESCRIBED = tuple(o for o in OPTIONS if o.described and o not in OPTIONAL)
 
 
@@ -201,6 +201,8 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
     for flag in ("lend", "borrow"):
         if getattr(opts, flag):
             fields[flag] = "true"
+    if opts.near is not None:  # as resolved (NAME@NODE@KIND@ADDRESS): no space, no ')'
+        fields.update({"near": opts.near, "near-policy": str(opts.near_policy)})
     if a.fragment:
         fields["fragment"] = f"{a.fragment.cpu}:{a.fragment.pieces}"
     return fields

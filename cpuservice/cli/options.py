@@ -32,6 +32,8 @@ def add_option_args(p: argparse.ArgumentParser, bind_flag: bool = True,
             p.add_argument(flag, action="store_true", help=spec.help)
         elif spec.vocabulary is not None:
             p.add_argument(flag, choices=choices(spec.vocabulary), help=spec.help)
+        elif spec.repeat:
+            p.add_argument(flag, action="append", metavar=spec.key.upper(), help=spec.help)
         else:
             p.add_argument(flag, help=spec.help)
 
@@ -44,8 +46,10 @@ def options_of(args: argparse.Namespace) -> dict[str, Any]:
         if spec.kind is request.OptionKind.FLAG:
             if value:
                 opts[spec.key] = True
+        elif isinstance(value, list):  # repeated: one comma-separated value
+            opts[spec.key] = ",".join(value)
         elif value is not None:
             opts[spec.key] = str(value)
-    if opts.get("cpuset"):
+    if opts.get("cpuset") or opts.get("near"):
         opts["bind"] = True
     return opts

@@ -67,7 +67,7 @@ VALUE_TIMER = set(TIMER) - {"--on-timezone-change", "--on-clock-change"}
 
 # cpuservice-run's own options that take a value
 OWN_VALUE = {"--cpus", "--policy", "--exclusive", "--numa-strategy", "--numa-alignment",
-             "--cpuset", "--partition", "--name", "--bus-address"}
+             "--cpuset", "--partition", "--name", "--bus-address", "--near", "--near-policy"}
 # Allocate-only options cpuservice-run takes too (unit and lifetime are its own to choose)
 RUN_ALLOCATE = ("lend", "borrow")
 OWN_FLAGS = {"--bind", "--memory-nodes", *(f"--{key}" for key in RUN_ALLOCATE), "--service",

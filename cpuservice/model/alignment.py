@@ -3,12 +3,13 @@ a latency-sensitive job (issue 28). Pure.
 
 Aligned means: bound, holding CPUs, every one of them a whole core (no fragment CPU shared with
 others, no half of a core), all in one L3 group and one NUMA node, and its memory restricted
-(``memory-nodes``) to that node's own memory. An unbound allocation is never aligned: it runs on
-the shared pool.
+(``memory-nodes``) to that node's own memory; with option near, its CPUs next to its devices.
+An unbound allocation is never aligned: it runs on the shared pool.
 """
 
 from __future__ import annotations
 
+from cpuservice.model import near
 from cpuservice.model.pools import Allocation
 from cpuservice.model.topology import Topology
 
@@ -31,6 +32,10 @@ def misalignment(topology: Topology, allocation: Allocation) -> list[str]:
         why.append("spans L3 groups")
     if len(nodes) > 1:
         why.append(f"spans NUMA nodes {','.join(map(str, sorted(nodes)))}")
+    remote = near.remote(topology, allocation.request.devices, held)
+    if remote:
+        policy = allocation.request.options.near_policy
+        why.append(f"{remote} (near-policy {policy}: no room there when placed)")
     if not allocation.request.options.memory_nodes:
         why.append("memory not restricted to its node (no memory-nodes)")
     elif len(nodes) == 1 and topology.node_set(known).ids != nodes:

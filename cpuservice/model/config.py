@@ -35,7 +35,7 @@ NAME = "cpuservice.toml"
 DIRS = (Path("/etc/cpuservice"), Path("/run/cpuservice"), Path("/usr/local/lib/cpuservice"),
         Path("/usr/lib/cpuservice"))
 DROPIN_SUFFIXES = (".toml", ".conf")
-PER_REQUEST_ONLY = ("cpuset", "unit")
+PER_REQUEST_ONLY = ("cpuset", "unit", "near")
 _CPU_LIMIT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,3})?%?")
 # the default paths, which the errors about the keys offer as the fix
 STATE_EXAMPLE = "/var/lib/cpuservice/state.json"
@@ -48,6 +48,7 @@ class ConfigError(ValueError):
 
 class Config(compat.StrictModel):
     sysfs_root: StrictStr = "/sys"
+    procfs_root: StrictStr = "/proc"  # only /proc/driver/nvidia (option near) is read there
     state_file: StrictStr = STATE_EXAMPLE
     reserved_cpus: StrictStr = ""
     min_shared_cpus: conint(strict=True, ge=1) = 1  # type: ignore[valid-type]

@@ -199,22 +199,32 @@ def near_memory(topology: Topology, devices: tuple[Device, ...]) -> CPUSet | Non
     return out or None
 
 
+def locality(topology: Topology, d: Device) -> str:
+    """Where a device is, as a person reads it, saying when it constrains nothing."""
+    if not d.resolved:
+        return "not resolved"
+    nodes = cpu_nodes(topology, d.node)
+    if d.node == NO_NODE:
+        return "no NUMA locality (the kernel gives it none): constrains nothing"
+    if not nodes:
+        return f"NUMA node {d.node}, which this machine does not have: constrains nothing"
+    if nodes != (d.node,):
+        return (f"NUMA node {d.node} (no online CPU there: next are nodes "
+                f"{','.join(map(str, nodes))})")
+    return f"NUMA node {d.node}"
+
+
 def where(topology: Topology, d: Device) -> str:
     """One device as a person reads it: what it is and where it is."""
     what = " ".join(filter(None, (d.kind, d.address if d.address != d.name else "")))
-    what = f" ({what})" if what else ""
-    if not d.resolved:
-        return f"{d.name}{what}: not resolved"
-    nodes = cpu_nodes(topology, d.node)
-    if d.node == NO_NODE:
-        return f"{d.name}{what}: no NUMA locality (the kernel gives it none): constrains nothing"
-    if not nodes:
-        return (f"{d.name}{what}: NUMA node {d.node}, which this machine does not have: "
-                "constrains nothing")
-    if nodes != (d.node,):
-        return (f"{d.name}{what}: NUMA node {d.node} (no online CPU there: next are nodes "
-                f"{','.join(map(str, nodes))})")
-    return f"{d.name}{what}: NUMA node {d.node}"
+    return f"{d.name}{f' ({what})' if what else ''}: {locality(topology, d)}"
+
+
+def views(topology: Topology, devices: tuple[Device, ...]) -> list[tuple[str, int, str, str,
+                                                                          str]]:
+    """The Allocation's NearDevices property: (name, node, kind, PCI address, locality)."""
+    return [(d.name, NO_NODE if d.node is None else d.node, d.kind, d.address,
+             locality(topology, d)) for d in devices]
 
 
 def remote(topology: Topology, devices: tuple[Device, ...], held: CPUSet) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from pydantic import Field, StrictBool, StrictStr
 
-from cpuservice.model import compat
+from cpuservice.model import compat, near
 from cpuservice.model.cpuset import CPUSet, CPUSetError
 from cpuservice.model.errors import InvalidArgument
 
@@ -74,6 +74,14 @@ class Partition(StrEnum):
     ISOLATED = "isolated"
 
 
+class NearPolicy(StrEnum):
+    """How strictly an allocation keeps to the CPUs next to its devices (option
+    ``near-policy``): only there, or there first and elsewhere when they are full."""
+
+    REQUIRED = "required"
+    PREFERRED = "preferred"
+
+
 _AMOUNT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,6})?")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _UNIT = re.compile(r"[A-Za-z0-9:_.@\\-]{1,248}\.(service|scope|slice|socket|mount|swap)")
@@ -95,6 +103,8 @@ class Options(compat.StrictModel):
     movable: Movable = Movable.NO
     lend: StrictBool = False
     borrow: StrictBool = False
+    near: Optional[StrictStr] = None  # noqa: UP045
+    near_policy: NearPolicy = Field(NearPolicy.REQUIRED, alias="near-policy")
 
 
 OPTION_KEYS = compat.field_aliases(Options)
@@ -119,6 +129,7 @@ class OptionSpec:
     vocabulary: type[StrEnum] | None = None
     shapes_placement: bool = True  # Plan and Capacity take it too (unit, lifetime: Allocate only)
     described: bool = True  # recorded in the Description of the allocation's own slice
+    repeat: bool = False  # TEXT given more than once on the command line: comma-separated
 
 
 OPTIONS: tuple[OptionSpec, ...] = (
@@ -150,6 +161,13 @@ OPTIONS: tuple[OptionSpec, ...] = (
                "also run on cores others lend, at idle priority (unbound)",
                shapes_placement=False),
     OptionSpec("cpuset", "cpuset", OptionKind.TEXT, "explicit CPUs (cpu list); implies --bind"),
+    # the devices a workload feeds (cpuservice.model.near): CPUs and memory next to them
+    OptionSpec("near", "near", OptionKind.TEXT,
+               "CPUs next to this device (PCI address, /dev path, interface, InfiniBand or DRM "
+               "name; repeat for more); implies --bind", repeat=True),
+    OptionSpec("near-policy", "near_policy", OptionKind.CHOICE,
+               "only CPUs next to the devices (required), or there first (preferred)",
+               NearPolicy),
     OptionSpec("unit", "unit", OptionKind.TEXT,
                "apply to this existing unit instead of a new slice", shapes_placement=False,
                described=False),
@@ -216,6 +234,9 @@ class Request:
         defaults: Mapping[str, Any] | None = None,
     ) -> Request:
         amount = parse_amount(cpus)
+        if "near" in (options or {}) and "memory-nodes" not in (options or {}):
+            # memory follows the devices unless the caller says otherwise
+            defaults = {**(defaults or {}), "memory-nodes": True}
         if (options or {}).get("lend") is True and "partition" not in (options or {}):
             # asked to lend: a configured default partition, which would refuse it, yields
             defaults = {**(defaults or {}), "partition": str(Partition.NONE)}
@@ -254,7 +275,20 @@ class Request:
                 raise InvalidArgument(f"option '{key}': {why}")
         if opts.unit is not None and not _UNIT.fullmatch(opts.unit):
             raise InvalidArgument(f"option 'unit' {opts.unit!r} is not a unit name")
+        if opts.near is not None:
+            near.check_resolved(near.parse(opts.near))
+            if not opts.bind:
+                raise InvalidArgument("option 'near' needs 'bind': true (an unbound allocation "
+                                      "runs on the whole shared pool)")
+            if opts.cpuset is not None:
+                raise InvalidArgument("option 'near' and 'cpuset' exclude each other (explicit "
+                                      "CPUs are where the caller put them)")
         return cls(amount, opts, explicit)
+
+    @property
+    def devices(self) -> tuple[near.Device, ...]:
+        """The devices of option ``near`` (cpuservice.model.near), none without it."""
+        return near.parse(self.options.near) if self.options.near is not None else ()
 
 
 def _unmovable(opts: Options) -> str:

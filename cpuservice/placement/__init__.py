@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 
+from cpuservice.model import near
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import (
     AllocationExists,
@@ -108,12 +109,15 @@ def describe(topology: Topology, ledger: Ledger, allocation: Allocation) -> Plac
     if allocation.fragment:
         shares[allocation.fragment.cpu] = allocation.fragment.pieces
     cpus = allocation.held if allocation.bound and allocation.held else ledger.shared
+    # option near: memory next to the devices (near.near_memory), wherever the CPUs are
+    devices = allocation.request.devices
+    memory = near.near_memory(topology, devices) if devices else None
     return Placement(
         cpus=cpus,
         whole=allocation.whole,
         fragment=allocation.fragment,
         shares=shares,
-        memory_nodes=topology.node_set(cpus),
+        memory_nodes=memory if memory is not None else topology.node_set(cpus),
         cpu_quota_usec=cpu_quota_usec(allocation.request),
         cpu_weight=cpu_weight(allocation.request, allocation.fragment, g),
     )
@@ -150,7 +154,7 @@ def resize(
     old = ledger.allocations[name]
     if old.request.cpuset is not None and cpus != old.request.cpus:
         raise InvalidArgument(f"allocation {name!r} is pinned to CPUs {old.request.cpuset}")
-    request = Request.build(cpus, old.request.options)
+    request = Request.build(cpus, old.request.options)  # near: the nodes resolved then
     base = ledger.without(name)
     check_amount(base, request)
     if old.bound:

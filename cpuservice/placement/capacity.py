@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import MappingProxyType
 
 import cpuservice.placement.choose as choose
+from cpuservice.model import near
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import (
     InsufficientCPUs,
@@ -14,11 +15,12 @@ from cpuservice.model.errors import (
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.request import (
     Exclusive,
+    NearPolicy,
     Request,
 )
 from cpuservice.model.topology import Topology
 from cpuservice.placement.closed import _fragment_capacity, _unit_capacity
-from cpuservice.placement.free import Free
+from cpuservice.placement.free import NEAR, Free
 from cpuservice.placement.whole import _check_policy, bound_cpus, check_amount
 
 UNLIMITED = 2**32 - 1
@@ -62,7 +64,11 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
     _check_policy(topology, request)
     pieces = int(request.fraction * ledger.granularity)
     if request.whole == 0:
-        return _fragment_capacity(ledger, pieces)
+        # near-policy preferred fills the CPUs next to the devices first, then the others:
+        # every fragment CPU and fresh CPU in the end, as without it
+        only = near.near_cpus(topology, request.devices) \
+            if request.options.near_policy == NearPolicy.REQUIRED and request.devices else None
+        return _fragment_capacity(ledger, pieces, only.ids if only is not None else None)
     free = Free(topology, ledger, request.options, steps=True)
     # free isolated CPUs are taken first (take_whole): which ones each allocation takes
     # decides what is left, so the closed form waits until the steps have used them up
@@ -103,16 +109,22 @@ def _phase(free: Free) -> tuple[bool, bool, bool]:
 
 
 def _rest(free: Free, request: Request) -> int | None:
-    """What is left as a closed form, if it is one (whole CPUs only)."""
+    """What is left as a closed form, if it is one (whole CPUs only; with option near, only
+    for near-policy required: the same units among the CPUs next to the devices)."""
     opts = request.options
     if request.fraction or (opts.exclusive == Exclusive.NUMA and not free.numa_failed):
         return None
+    if free.near is not None and not free.near_required:
+        return None  # preferred: next to the devices first, then elsewhere
     avoid = Exclusive.PCPU if opts.exclusive == Exclusive.NUMA else opts.exclusive
-    view, _ = free.view(avoid)
+    only = free.near
+    view, _ = free.view(avoid if only is None else avoid + NEAR)
     cands = {x: [c for cell in cells for c in view[cell]]
              for x, cells in free.cells.in_node.items()}
-    return _unit_capacity(free.topology, free.ledger, request, avoid, cands, len(free.free),
-                          len(free.free_isolated), free.budget())
+    shared = len(free.free if only is None else free.free & only)
+    isolated = len(free.free_isolated if only is None else free.free_isolated & only)
+    return _unit_capacity(free.topology, free.ledger, request, avoid, cands, shared, isolated,
+                          free.budget())
 
 
 def _replay(topology: Topology, ledger: Ledger, request: Request) -> int:

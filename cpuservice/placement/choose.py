@@ -11,7 +11,7 @@ reaches (the same result as running it on every candidate, without looking at th
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import InsufficientCPUs
@@ -23,9 +23,9 @@ from cpuservice.model.request import (
     Options,
     Policy,
 )
-from cpuservice.placement.free import Cell, Free
+from cpuservice.placement.free import FAR, NEAR, Cell, Free
 from cpuservice.placement.nodes import _nodes_for, _quotas
-from cpuservice.placement.pack import _pick, _take, pack
+from cpuservice.placement.pack import _pick, _take, pack, whole_core_step
 
 STRICT_ALIGNMENT = (NumaAlignment.RESTRICTED, NumaAlignment.SINGLE_NUMA_NODE)
 
@@ -39,18 +39,51 @@ def attempts(opts: Options) -> tuple[Exclusive, ...]:
 
 def take_whole(free: Free, n: int, anchor: CPUSet = EMPTY) -> list[int]:
     """``n`` more whole CPUs for a bound allocation that already holds ``anchor`` (hidden from
-    ``free``'s candidates)."""
+    ``free``'s candidates). With option near, first (near-policy preferred) or only (required)
+    among the CPUs next to its devices."""
     if n <= 0:
         return []
+    if free.near is None:
+        return _take_whole(free, n, anchor, "")
+    try:
+        return _take_whole(free, n, anchor, NEAR)
+    except InsufficientCPUs as exc:
+        if free.near_required:
+            raise InsufficientCPUs(f"{refusal(free)}: {exc}") from None
+    # preferred: as many as fit next to the devices, the rest elsewhere
+    step = whole_core_step(free.topology) if free.opts.policy == Policy.FULL_PCPUS else 1
+    room = sum(free.view(attempts(free.opts)[-1] + NEAR)[1].values())
+    k = min(room, n - 1) // step * step
+    if k > 0:
+        with contextlib.suppress(InsufficientCPUs):
+            part = _take_whole(free, k, anchor, NEAR)
+            return part + _take_whole(free, n - k, anchor | CPUSet(part), FAR)
+    return _take_whole(free, n, anchor, "")
+
+
+def refusal(free: Free) -> str:
+    """What near-policy required keeps to, naming the devices and their nodes."""
+    where = ", ".join(f"{d.name} (NUMA node {d.node})" for d in free.devices
+                      if d.node is not None and d.node >= 0)
+    return f"near-policy required: only the CPUs next to {where}"
+
+
+def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
     error = InsufficientCPUs("no CPUs")
+    # a restricted (NEAR) try of near-policy preferred finds its own exclusive=numa failures
+    near_only = bool(mark) and not free.near_required
     for avoid in attempts(free.opts):
-        if avoid == Exclusive.NUMA and free.numa_failed:
+        failed = free.numa_failed_near if near_only else free.numa_failed
+        if avoid == Exclusive.NUMA and failed:
             continue
         try:
-            return _isolated_first(free, avoid, n, anchor)
+            return _isolated_first(free, avoid + mark, n, anchor)
         except InsufficientCPUs as exc:
             error = exc
-            free.numa_failed = free.numa_failed or avoid == Exclusive.NUMA
+            if avoid == Exclusive.NUMA and near_only:
+                free.numa_failed_near = True
+            elif avoid == Exclusive.NUMA:
+                free.numa_failed = True
     raise error
 
 
@@ -169,15 +202,36 @@ def _node(free: Free, counts: Mapping[int, int], n: int) -> int | None:
 
 def take_fragment(free: Free, pieces: int, whole: Collection[int]) -> tuple[int, bool]:
     """A CPU with ``pieces`` free pieces near ``whole`` (the allocation's whole CPUs), and
-    whether it is fresh (no fragment uses it yet).
+    whether it is fresh (no fragment uses it yet): _take_fragment, with option near only among
+    the CPUs next to the devices (required), or there first (preferred, unless the whole CPUs
+    are elsewhere already)."""
+    if free.near is None:
+        return _take_fragment(free, pieces, whole, None)
+    if free.near_required or free.near.issuperset(whole):
+        try:
+            return _take_fragment(free, pieces, whole, free.near)
+        except InsufficientCPUs as exc:
+            if free.near_required:
+                raise InsufficientCPUs(f"{refusal(free)}: {exc}") from None
+    return _take_fragment(free, pieces, whole, None)
+
+
+def _take_fragment(free: Free, pieces: int, whole: Collection[int],
+                   only: frozenset[int] | None) -> tuple[int, bool]:
+    """A CPU with ``pieces`` free pieces near ``whole``, one of ``only`` (None: any).
 
     An existing fragment CPU that is an SMT sibling of, shares an L3 with or sits on the NUMA
     node of the whole CPUs comes first (fewest free pieces first); then a fresh CPU from the
     shared pool, nearest first; then any fragment CPU with room (unless NUMA alignment forbids
     it). Without whole CPUs: the fullest fragment CPU with room, else a fresh CPU.
     """
-    topology, rooms = free.topology, free.rooms
+    topology = free.topology
+    rooms = free.rooms if only is None else {c: r for c, r in free.rooms.items() if c in only}
     anchor = frozenset(whole)
+
+    def allowed(cs: Iterable[int]) -> list[int]:
+        return [c for c in cs if c not in anchor and (only is None or c in only)]
+
     if anchor:
         core_of, l3_of, node_of = free.core_of, free.l3_of, free.node_of
         cores = {core_of[c] for c in anchor}
@@ -187,27 +241,27 @@ def take_fragment(free: Free, pieces: int, whole: Collection[int]) -> tuple[int,
         for near in ([c for k in cores for c in topology.cores[k] if c in rooms],
                      [c for g in l3s for c in free.fragments_in(2, g)],
                      [c for x in nodes for c in free.fragments_in(1, x)]):
-            existing = [c for c in near if rooms[c] >= pieces and c not in anchor]
+            existing = [c for c in allowed(near) if rooms[c] >= pieces]
             if existing:
                 return min(existing, key=lambda c: (rooms[c], c)), False
         takeable = free.takeable()
         for near in ([c for k in cores for c in topology.cores[k]],
                      [c for g in l3s for c in topology.l3_groups[g]]):
-            fresh = [c for c in near if c not in anchor and c in takeable]
+            fresh = [c for c in allowed(near) if c in takeable]
             if fresh:
                 return pack(topology, fresh, 1, anchor)[0], True
-        fresh = [c for c in takeable if node_of[c] in nodes and c not in anchor]
+        fresh = allowed(c for c in takeable if node_of[c] in nodes)
         if fresh:
             return pack(topology, fresh, 1, anchor)[0], True
         if free.opts.numa_alignment not in STRICT_ALIGNMENT:
-            fresh = [c for c in takeable if node_of[c] not in nodes]
+            fresh = allowed(c for c in takeable if node_of[c] not in nodes)
             if fresh:
                 return pack(topology, fresh, 1, anchor)[0], True
     existing = [c for c, room in rooms.items() if room >= pieces and c not in anchor]
     if existing and (not anchor or free.opts.numa_alignment not in STRICT_ALIGNMENT):
         return min(existing, key=lambda c: (rooms[c], c)), False
     if not anchor:
-        fresh = list(free.takeable())
+        fresh = allowed(free.takeable())
         if fresh:
             return pack(topology, fresh, 1, anchor)[0], True
     raise shortage(free.ledger,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 
+from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import (
     Exclusive,
@@ -18,7 +19,7 @@ from cpuservice.model.topology import Topology
 from cpuservice.placement.nodes import _min_nodes
 
 
-def _fragment_capacity(ledger: Ledger, pieces: int) -> int:
+def _fragment_capacity(ledger: Ledger, pieces: int, only: frozenset[int] | None = None) -> int:
     """Allocations of ``pieces`` pieces and no whole CPU (exact).
 
     take_fragment without whole CPUs ignores every option: it takes the fullest fragment CPU
@@ -26,12 +27,17 @@ def _fragment_capacity(ledger: Ledger, pieces: int) -> int:
     same way. So each fragment CPU holds (free pieces // pieces) more, and each fresh CPU
     granularity // pieces. Fresh CPUs are the allocatable shared ones while the shared-pool
     budget lasts (taking one costs one CPU of budget, and one CPU always passes the budget
-    check) plus the free isolated ones, whichever the placement takes first.
+    check) plus the free isolated ones, whichever the placement takes first. ``only``: the
+    same among these CPUs alone (near-policy required).
     """
     g = ledger.granularity
-    existing = sum((g - used) // pieces for used in ledger.fragment_pieces.values())
-    shared = len(ledger.shared - ledger.reserved)
-    fresh = min(shared, ledger.shared_budget) + len(ledger.free_isolated)
+    cpus = CPUSet(only) if only is not None else None
+    existing = sum((g - used) // pieces for c, used in ledger.fragment_pieces.items()
+                   if only is None or c in only)
+    shared = len(ledger.shared - ledger.reserved if cpus is None
+                 else (ledger.shared - ledger.reserved) & cpus)
+    isolated = len(ledger.free_isolated if cpus is None else ledger.free_isolated & cpus)
+    fresh = min(shared, ledger.shared_budget) + isolated
     return existing + fresh * (g // pieces)
 
 

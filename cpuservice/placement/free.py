@@ -15,12 +15,16 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
 
+from cpuservice.model import near
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.pools import Ledger
-from cpuservice.model.request import Exclusive, Options, Policy
+from cpuservice.model.request import Exclusive, NearPolicy, Options, Policy
 from cpuservice.model.topology import Topology
 
 Cell = tuple[int, int]  # (NUMA node, L3 group or -1)
+# a key's marks (see Free.candidates): only the CPUs next to the devices of option near, or
+# only the others
+NEAR, FAR = "+near", "+far"
 View = tuple[dict[Cell, AbstractSet[int]], dict[int, int]]
 
 
@@ -67,6 +71,14 @@ class Free:
                 if a.request.options.exclusive == opts.exclusive:
                     self._use(a.held)
         self.numa_failed = False  # exclusive=numa found no free node (candidates only shrink)
+        # option near: the CPUs next to its devices (None: no device, or none with locality),
+        # the candidates of the keys marked NEAR; required: every choice keeps to them
+        devices = near.parse(opts.near) if opts.near is not None else ()
+        cpus = near.near_cpus(topology, devices) if devices else None
+        self.devices = devices
+        self.near: frozenset[int] | None = cpus.ids if cpus is not None else None
+        self.near_required = opts.near_policy == NearPolicy.REQUIRED
+        self.numa_failed_near = False  # as numa_failed, among the CPUs next to the devices
         self._shy: set[int] | None = None
         self._takeable: frozenset[int] | None = ledger.takeable.ids
         # per key (see candidates): the candidates of every cell and their count per node (nodes
@@ -98,9 +110,13 @@ class Free:
         """The CPUs this request may take whole (of ``within``, a cell's CPUs): takeable, after
         exclusivity and the policy's filter (full-pcpus: threads of wholly takeable cores).
         ``key`` is ``avoid`` (none|pcpu|numa), or ``avoid/iso`` or ``avoid/shared`` for the
-        isolated candidates or the others."""
+        isolated candidates or the others; ``avoid`` marked NEAR (``pcpu+near/iso``): only
+        those next to the devices of option near, FAR: only the others."""
         free: AbstractSet[int] = self.takeable() if within is None else self.takeable() & within
         avoid, _, subset = key.partition("/")
+        avoid, _, mark = avoid.partition("+")
+        if mark and self.near is not None:
+            free = free & self.near if f"+{mark}" == NEAR else free - self.near
         if avoid == Exclusive.NUMA and self.used_nodes:
             node_of = self.node_of
             free = {c for c in free if node_of[c] not in self.used_nodes}

@@ -7,9 +7,9 @@ it is. Only whole CPUs move: those the move keeps stay, the others are chosen by
 one engine, as resize and repair use it) on the ledger without the allocation, near the CPUs it
 keeps, never on CPUs the move must leave free. The new CPUs must keep the allocation's quality
 (``problems``): no NUMA node it did not use for movable=node and no more nodes for anywhere, no
-more L3 groups, no split core for full-pcpus, no more split cores for packed, no fewer cores for
-spread-pcpus, no more sharing with allocations of its exclusive setting; and the shared pool
-keeps its minimum.
+more L3 groups, no more CPUs away from its devices (option near), no split core for
+full-pcpus, no more split cores for packed, no fewer cores for spread-pcpus, no more sharing
+with allocations of its exclusive setting; and the shared pool keeps its minimum.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from cpuservice.model import near
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import InsufficientCPUs
 from cpuservice.model.pools import Allocation, Ledger
@@ -66,6 +67,10 @@ def problems(topology: Topology, old: Allocation, new: Allocation) -> list[str]:
         why.append(f"leaves its NUMA nodes {sorted(nodes_old)}")
     if len(nodes_new) > len(nodes_old):
         why.append(f"spans {len(nodes_new)} NUMA nodes instead of {len(nodes_old)}")
+    devices = old.request.devices
+    if devices and near.away(topology, devices, new.held) > near.away(topology, devices,
+                                                                       old.held):
+        why.append("moves CPUs away from its devices (near)")
     l3_old, l3_new = (len({l3_of[c] for c in a.held}) for a in (old, new))
     if l3_new > l3_old:
         why.append(f"spans {l3_new} L3 groups instead of {l3_old}")

@@ -23,6 +23,7 @@ from cpuservice.apply.reconcile import Op
 from cpuservice.apply.targets import own_slice, partition_of, partition_of_request, slice_of
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
+from cpuservice.host.devices import Resolver
 from cpuservice.host.journal import Kind
 from cpuservice.model import compat, limits, nrt
 from cpuservice.model.errors import (
@@ -56,6 +57,7 @@ class Service:
         self.systemd = engine.systemd
         self.lifetime = lifetime
         self.lock = engine.lock
+        self.devices = Resolver(self.config.sysfs_root, self.config.procfs_root)  # option near
         self._attached = 0
         # Attach scopes are named <name>-<boot tag>-<n>: unique across restarts of the daemon
         self._tag = secrets.token_hex(4)
@@ -172,7 +174,10 @@ class Service:
         return placement.describe(self.topology, self.ledger, self.allocation(name))
 
     def request(self, cpus: str, options: Mapping[str, Any]) -> Request:
-        """A validated request; its partition is the one it can have (see partitions.check)."""
+        """A validated request, its devices (option near) resolved; its partition is the one it
+        can have (see partitions.check)."""
+        if "near" in options:
+            options = {**options, "near": self.devices.resolve_option(options["near"])}
         request = Request.parse(cpus, options, self.config.defaults)
         opts = request.options
         wanted = partition_of_request(request)

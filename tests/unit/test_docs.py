@@ -19,7 +19,8 @@ from tests.conftest import unavailable
 ROOT = Path(__file__).parents[2]
 PAGES = ["cpuservicectl.1", "cpuservice-run.1", "cpuserviced.8", "cpuservice.toml.5",
          "org.cpuservice1.5"]
-VOCABULARIES = ("Policy", "Exclusive", "NumaStrategy", "NumaAlignment", "Lifetime", "Partition")
+VOCABULARIES = ("Policy", "Exclusive", "NumaStrategy", "NumaAlignment", "Lifetime", "Partition",
+                "NearPolicy")
 
 
 def page(name: str) -> str:
