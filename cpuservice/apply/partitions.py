@@ -43,6 +43,7 @@ class Capabilities:
     systemd_property: bool = False  # systemd knows CPUSetPartition= (>= 261)
     kernel: bool = False  # cgroup v2 with the cpuset controller and isolated partitions
     kernel_reason: str = ""
+    near: tuple[str, ...] = ()  # what option near can look up here (cpuservice.model.near.KINDS)
 
     @property
     def partitions(self) -> bool:
@@ -67,6 +68,7 @@ class Capabilities:
             "SystemdCPUSetPartition": ("b", self.systemd_property),
             "KernelPartitions": ("b", self.kernel),
             "PartitionsUnavailable": ("s", self.why_not()),
+            "NearKinds": ("as", list(self.near)),
         }
 
 

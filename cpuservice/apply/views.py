@@ -8,7 +8,7 @@ from typing import Any
 from cpuservice import placement
 from cpuservice.apply import partitions
 from cpuservice.apply.units import NO_QUOTA
-from cpuservice.model import lending
+from cpuservice.model import lending, near
 from cpuservice.model.alignment import misalignment
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.pools import Allocation, Ledger
@@ -43,7 +43,7 @@ def allocation(topology: Topology, state: State, name: str,
     wanted = str(a.request.options.partition)
     made = partitions.mode(wanted, set(a.held.ids), set(state.ledger.isolated.ids))
     health = "; ".join(filter(None, (short(a, state.ledger.granularity),
-                                     partitions.degraded(made, partition))))
+                                     partitions.degraded(made, partition), missing(record))))
     why = misalignment(topology, a)
     opts = a.request.options
     # a borrower runs on the shared pool and on every CPU lent now
@@ -60,6 +60,8 @@ def allocation(topology: Topology, state: State, name: str,
         "Lifetime": a.request.options.lifetime,
         "Movable": str(opts.movable),
         "Lending": opts.lend, "LentCPUs": lending.lent(topology, state, name).format(),
+        "NearDevices": near.views(topology, a.request.devices),
+        "NearPolicy": str(opts.near_policy) if opts.near is not None else "",
         **partitions.views(wanted, partition),
     }
 
@@ -73,6 +75,14 @@ def short(a: Allocation, granularity: int) -> str:
     pieces = len(a.whole) * granularity + (a.fragment.pieces if a.fragment else 0)
     has = f"{pieces / granularity:g}"
     return f"holds {has} of {a.request.cpus} CPUs (no room to place it in full)"
+
+
+def missing(record: Record) -> str:
+    """Why an allocation of option near is degraded: devices no longer there."""
+    if not record.gone:
+        return ""
+    return (f"device {', '.join(record.gone)} not found (it keeps the CPUs next to where it "
+            "was)")
 
 
 def changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

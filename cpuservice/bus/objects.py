@@ -129,6 +129,7 @@ ALLOCATION_SIGNATURES = {
     "State": "s", "Lifetime": "s", "Movable": "s", "Lending": "b", "LentCPUs": "s",
     "Partition": "s", "PartitionState": "s",
     "Health": "s", "HealthReason": "s", "Aligned": "b", "AlignmentReason": "s",
+    "NearDevices": "a(sisss)", "NearPolicy": "s",
 }
 
 
@@ -280,6 +281,14 @@ class Allocation(ServiceInterface):
     @dbus_property(access=PropertyAccess.READ)
     def AlignmentReason(self) -> "s":
         return self.values()["AlignmentReason"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def NearDevices(self) -> "a(sisss)":
+        return self.values()["NearDevices"]
+
+    @dbus_property(access=PropertyAccess.READ)
+    def NearPolicy(self) -> "s":
+        return self.values()["NearPolicy"]
 
     @method()
     @boundary

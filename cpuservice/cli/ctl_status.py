@@ -56,6 +56,8 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
         kinds = [k for k in caps.get("Partitions", []) if k != "none"]
         print(f"  Partitions: {', '.join(kinds) or 'no'}"
               f"{'' if kinds else ' (' + str(caps.get('PartitionsUnavailable', '')) + ')'}")
+        if "NearKinds" in caps:
+            print(f"  Near:      {', '.join(caps['NearKinds']) or 'no device can be looked up'}")
     return 0
 
 
@@ -113,6 +115,10 @@ async def allocation_status(c: Client, args: argparse.Namespace) -> int:
         ("Lifetime", a["Lifetime"]),
         ("Unit", f"{a['Unit']}: {state}"),
     ]
+    if a.get("NearDevices"):  # option near (issue 38): the devices as resolved, and where
+        near = "; ".join(f"{d[0]}{' (' + ' '.join(filter(None, d[2:4])) + ')' if d[2] else ''}"
+                         f": {d[4]}" for d in a["NearDevices"])
+        lines.insert(4, ("Near", f"{near} [{a.get('NearPolicy', '')}]"))
     if a.get("Lending"):
         lines.insert(4, ("Lending", f"lends {a['LentCPUs']} to borrowers now"
                          if a.get("LentCPUs") else "on, nothing lent now (busy, or not idle long "

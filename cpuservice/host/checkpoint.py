@@ -55,6 +55,7 @@ def _row(name: str, a: Allocation, r: Record) -> dict[str, Any]:
         "populated": r.populated,
         **({"fresh": list(r.fresh)} if r.fresh else {}),
         **({"lent": r.lent.format()} if r.lent else {}),  # older checkpoints: nothing lent
+        **({"gone": list(r.gone)} if r.gone else {}),  # devices of option near not found
     }
 
 
@@ -73,7 +74,8 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
             records[row["name"]] = Record(int(row["owner"]), str(row["unit"]), saved,
                                           bool(row["populated"]),
                                           tuple(str(n) for n in row.get("fresh", ())),
-                                          CPUSet.parse(str(row.get("lent", ""))))
+                                          CPUSet.parse(str(row.get("lent", ""))),
+                                          tuple(str(n) for n in row.get("gone", ())))
     except (KeyError, TypeError, ValueError, CPUServiceError) as exc:
         raise CheckpointError(f"bad allocation in checkpoint: {exc}") from None
     ledger = Ledger(ledger.online, ledger.reserved, ledger.isolated,

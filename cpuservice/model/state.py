@@ -27,6 +27,9 @@ class Record:
     # is this within what it may lend now (cpuservice.model.lending.lent): a value a Resize,
     # a move or a repair made stale is ignored
     lent: CPUSet = EMPTY
+    # the devices of option near not found when last looked for (at start, Revalidate): a
+    # health reason; the allocation keeps the node recorded when it was made
+    gone: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

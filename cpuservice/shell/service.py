@@ -39,7 +39,7 @@ from cpuservice.model.request import Request, parse_amount, parse_options, valid
 from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement, defrag
 from cpuservice.placement.moves import Move
-from cpuservice.shell import lending, moving, publish, recovery
+from cpuservice.shell import lending, moving, nearwatch, publish, recovery
 from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
 from cpuservice.shell.lending import Lending
@@ -199,8 +199,10 @@ class Service:
     async def start(self) -> None:
         """Learn what the host can do, recover (checkpoint, topology, systemd), then follow
         lifetime=unit allocations and the kernel's reports of partitions."""
-        await self.engine.detect_capabilities()
+        caps = await self.engine.detect_capabilities()
+        self.engine.capabilities = replace(caps, near=self.devices.kinds())
         await recovery.start(self.engine)
+        await nearwatch.check(self.engine, self.devices)
         await self.lifetime.watch_all()
         self.lifetime.schedule()
         await self.healer.heal_quietly()
@@ -393,3 +395,4 @@ class Service:
         began = time.monotonic()
         async with self.lock:
             await recovery.revalidate(self.engine, full, began)
+            await nearwatch.check(self.engine, self.devices)
