@@ -90,5 +90,10 @@ bench-lending:
 bench-bus:
 	PYTHONPATH=$(CURDIR) $(PY) bench/bus.py
 
+# option near: looking up devices (64 on a fixture tree), placing and counting next to one
+.PHONY: bench-near
+bench-near:
+	PYTHONPATH=$(CURDIR) $(PY) bench/near.py
+
 deb:
 	bash scripts/build-deb.sh

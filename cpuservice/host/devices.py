@@ -56,6 +56,13 @@ class Resolver:
         self.proc = Path(procfs_root)
         self.dev = Path(devfs_root)
         self.dev_of = dev_of or self._stat
+        self._top: Path | None = None  # /sys/devices, its links resolved
+
+    @property
+    def top(self) -> Path:
+        if self._top is None:
+            self._top = Path(os.path.realpath(self.sys / "devices"))
+        return self._top
 
     # ---- what can be resolved here (the Manager's Capabilities) ----
 
@@ -158,7 +165,7 @@ class Resolver:
     def _walk(self, name: str, kind: str, path: Path) -> Device:
         """Up the real path of ``path`` to the first ``numa_node`` (a device with none up to
         /sys/devices has no locality); its PCI address is the nearest one on the way."""
-        top = Path(os.path.realpath(self.sys / "devices"))
+        top = self.top
         real = Path(os.path.realpath(path))
         if not real.is_relative_to(top) or real == top:
             raise self._unknown(name, f"{path} leads to {real}, outside {self.sys}/devices")
