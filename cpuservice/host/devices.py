@@ -4,8 +4,10 @@ As the kernel and its peers lay them out (nri-plugins reads a ``/dev`` node the 
 
 - a PCI address: ``/sys/bus/pci/devices/<address>``;
 - a ``/dev`` path: its char or block device number, ``/sys/dev/{char,block}/<major>:<minor>``,
-  then up the device's real path until a ``numa_node`` appears; NVIDIA's ``/dev/nvidiaN`` has no
-  sysfs device: ``/proc/driver/nvidia/gpus/<address>/information`` names its "Device Minor";
+  then up the device's real path until a ``numa_node`` appears; where the daemon's /dev holds
+  only pseudo devices (its unit's PrivateDevices=yes), the device whose uevent names that node
+  (DEVNAME), at /sys/class/<class>/<name>; NVIDIA's ``/dev/nvidiaN`` has no sysfs device:
+  ``/proc/driver/nvidia/gpus/<address>/information`` names its "Device Minor";
 - a name: ``/sys/class/{net,infiniband,drm,nvme,block}/<name>``, then up its real path as well.
 
 The node is the first ``numa_node`` up the device's path (-1: the firmware says nothing); a
@@ -30,6 +32,7 @@ from cpuservice.model.near import Device
 
 MAX_DEPTH = 32  # directories up a device's path
 MAX_GPUS = 256  # entries of /proc/driver/nvidia/gpus looked at
+MAX_CLASSES = 256  # entries of /sys/class looked at
 _NVIDIA = re.compile(r"/dev/nvidia([0-9]{1,3})")
 _MINOR = re.compile(r"^Device Minor:\s*([0-9]+)\s*$", re.M)
 
@@ -124,6 +127,10 @@ class Resolver:
         try:
             kind, major, minor = self.dev_of(path)
         except LookupError as exc:
+            if not os.path.lexists(path):  # a private /dev (the unit's PrivateDevices=yes)
+                found = self._by_devname(name)
+                if found is not None:
+                    return found
             why = f"; no GPU in {self.proc}/driver/nvidia/gpus has Device Minor {gpu[1]}" \
                 if gpu is not None else ""
             raise self._unknown(name, f"{exc}{why}") from None
@@ -132,10 +139,30 @@ class Resolver:
             raise self._unknown(name, f"{kind} device {major}:{minor}, no {link}")
         return self._walk(name, kind, link)
 
+    def _by_devname(self, name: str) -> Device | None:
+        """The device whose node the kernel names ``name`` (DEVNAME in its uevent), found as
+        /sys/class/<class>/<last part of the name>: for a daemon whose /dev holds only the
+        pseudo devices (the unit's PrivateDevices=yes). udev's links (/dev/disk/by-id/...)
+        are not found this way."""
+        devname = name[len("/dev/"):]
+        base = devname.rsplit("/", 1)[-1]
+        try:
+            classes = sorted(os.listdir(self.sys / "class"))[:MAX_CLASSES]
+        except OSError:
+            return None
+        for cls in classes:
+            path = self.sys / "class" / cls / base
+            if not os.path.lexists(path):
+                continue
+            uevent = _small(path / "uevent", 4096) or ""
+            if f"DEVNAME={devname}" in uevent.splitlines():
+                return self._walk(name, "block" if cls == "block" else "char", path)
+        return None
+
     def _stat(self, path: Path) -> tuple[str, int, int]:
         real = Path(os.path.realpath(path))
         if not real.is_relative_to(os.path.realpath(self.dev)):
-            raise LookupError(f"{path} leads to {real}, outside {self.dev}")
+            raise LookupError(f"{path} leads outside {self.dev}")
         try:
             st = os.stat(real)
         except OSError as exc:

@@ -114,6 +114,7 @@ def write_devices(root: str | Path, devices: tuple[FakeDevice, ...] | str,
             for name, minor in ((d.name, d.minor), (f"renderD{128 + d.minor}", 128 + d.minor)):
                 child = here / "drm" / name
                 _write(child / "dev", f"{DRM_MAJOR}:{minor}")
+                _write(child / "uevent", f"MAJOR={DRM_MAJOR}\nMINOR={minor}\nDEVNAME=dri/{name}")
                 _link(child / "device", here)
                 _link(root / "class/drm" / name, child)
                 _link(root / "dev/char" / f"{DRM_MAJOR}:{minor}", child)
@@ -121,11 +122,14 @@ def write_devices(root: str | Path, devices: tuple[FakeDevice, ...] | str,
         elif d.kind == "nvme":
             ctrl = here / "nvme" / d.name
             _write(ctrl / "numa_node", str(d.node))  # the controller has its own, as in Linux
+            _write(ctrl / "uevent", f"MAJOR={NVME_CHAR_MAJOR}\nMINOR={d.minor}\nDEVNAME={d.name}")
             _link(ctrl / "device", here)
             _link(root / "class/nvme" / d.name, ctrl)
             _link(root / "dev/char" / f"{NVME_CHAR_MAJOR}:{d.minor}", ctrl)
             ns = ctrl / f"{d.name}n1"
             _write(ns / "dev", f"{NVME_MAJOR}:{d.minor}")
+            _write(ns / "uevent", f"MAJOR={NVME_MAJOR}\nMINOR={d.minor}\nDEVNAME={ns.name}\n"
+                                  "DEVTYPE=disk")
             _link(root / "class/block" / ns.name, ns)
             _link(root / "dev/block" / f"{NVME_MAJOR}:{d.minor}", ns)
             devs[f"/dev/{d.name}"] = ("char", NVME_CHAR_MAJOR, d.minor)

@@ -216,3 +216,18 @@ def test_any_text_is_a_valid_name_or_a_named_error(text: str) -> None:
             parts = d.name.split("/")
             assert parts[1] == "dev" and ".." not in parts and "." not in parts
         assert "," not in d.name and len(d.name) <= near.MAX_NAME
+
+
+@pytest.mark.parametrize(("name", "kind", "node"), [
+    ("/dev/nvme0n1", "block", 1), ("/dev/nvme0", "char", 1), ("/dev/dri/renderD128", "char", 0)])
+def test_a_private_dev_finds_kernel_names_through_sysfs(gpu_box: Resolver, name: str,
+                                                        kind: str, node: int) -> None:
+    """The unit's PrivateDevices=yes leaves the daemon a /dev of pseudo devices: a node the
+    kernel names is found by its uevent's DEVNAME under /sys/class."""
+    def private(path: Path) -> tuple[str, int, int]:
+        raise LookupError(f"{path}: No such file or directory")
+    r = Resolver(gpu_box.sys, gpu_box.proc, "/nonexistent-dev", private)
+    found = r.resolve(name)
+    assert (found.kind, found.node) == (kind, node)
+    with pytest.raises(InvalidArgument, match="No such file"):
+        r.resolve("/dev/disk/by-id/nvme-x")  # udev's links are not found this way
