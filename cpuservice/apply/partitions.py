@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from cpuservice.model.errors import InvalidArgument, NotSupported
+from cpuservice.model.near import NO_NODE, Device
 from cpuservice.model.request import Partition
 
 NONE = Partition.NONE
@@ -44,6 +45,7 @@ class Capabilities:
     kernel: bool = False  # cgroup v2 with the cpuset controller and isolated partitions
     kernel_reason: str = ""
     near: tuple[str, ...] = ()  # what option near can look up here (cpuservice.model.near.KINDS)
+    devices: tuple[Device, ...] = ()  # the devices option near can name here, as at startup
 
     @property
     def partitions(self) -> bool:
@@ -69,6 +71,8 @@ class Capabilities:
             "KernelPartitions": ("b", self.kernel),
             "PartitionsUnavailable": ("s", self.why_not()),
             "NearKinds": ("as", list(self.near)),
+            "NearDevices": ("a(siss)", [[d.name, NO_NODE if d.node is None else d.node,
+                                         d.kind, d.address] for d in self.devices]),
         }
 
 

@@ -231,7 +231,7 @@ async def _topology(c: Client, args: argparse.Namespace) -> int:
         return 0
     pools = topoview.Pools(*(CPUSet.parse(props.get(k, "")) for k in topoview.POOL_PROPERTIES))
     print(topoview.render(topology, pools, allocations, props["Granularity"],
-                          args.colour,
+                          args.colour, devices=topoview.near_devices(props),
                           style=topoview.Style(unicode=args.unicode, compact=args.compact,
                                                nodes=frozenset(args.node or ()))))
     return 0

@@ -117,9 +117,11 @@ def render(
     granularity: int = 100,
     colour: bool = False,
     style: Style = Style(),
+    devices: Sequence[Sequence[Any]] = (),
 ) -> str:
     """The tree, one line per group and one per core (or run of cores) with its threads, then
-    the legend, the unbound allocations and the notes."""
+    the legend, the unbound allocations and the notes. ``devices``: (name, node, kind, PCI
+    address) of the devices option near can name (near_devices), each shown at its node."""
     allocations = sorted(allocations, key=lambda a: str(a["Name"]))
     states = cpu_states(pools, allocations, granularity)
     rows, notes = rows_and_notes(topology)
@@ -199,8 +201,10 @@ def render(
         socket, node, within = key
         members = [r for r in shown if r["socket"] == socket and r["node"] == node
                    and (within is None or r["l3"] == within)]
+        here = " ".join(str(d[0]) for d in devices if d[1] == node)
         lines.append(f"{head}NUMA node {node}" + (f" ({cpus_of(members)})"
-                                                  if within is not None else ""))
+                                                  if within is not None else "")
+                     + (f"  devices: {here}" if here else ""))
         if within is not None:  # under an L3 that spans nodes: cores directly
             tree.children(indent, cores_of(members), core_line)
         else:
@@ -232,6 +236,9 @@ def render(
         tree.children(indent, [item for _, item in sorted(items)], draw)
 
     tree.children("", sorted({r["socket"] for r in shown}), socket_line)
+    elsewhere = [f"{d[0]} ({d[2]} {d[3]})" for d in devices if d[1] not in nodes]
+    if elsewhere and not style.nodes:
+        lines.append(f"Devices without NUMA locality here: {', '.join(elsewhere)}")
     lines += legend({state(int(r["cpu"]))[0] for r in shown}, allocations, paint,
                     any(lent(int(r["cpu"])) for r in shown))
     warnings = list(topology.get("warnings") or ()) if isinstance(topology, Mapping) else []
@@ -240,6 +247,12 @@ def render(
         lines += [f"  cpu{cpu}: {text}" for cpu, text in sorted(notes.items())]
         lines += [f"  {text}" for text in warnings]
     return "\n".join(lines)
+
+
+def near_devices(props: Mapping[str, Any]) -> list[Sequence[Any]]:
+    """The devices option near can name, from the Manager's Capabilities (NearDevices; none
+    from a daemon before issue 38)."""
+    return list((props.get("Capabilities") or {}).get("NearDevices") or ())
 
 
 def legend(

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cpuservice.model import near
@@ -74,6 +74,32 @@ class Resolver:
                  "block": self.sys / "dev/block", "nvidia": self.proc / "driver/nvidia/gpus",
                  **{cls: self.sys / "class" / cls for cls in near.CLASSES if cls != "block"}}
         return tuple(k for k in near.KINDS if where[k].is_dir())
+
+    def inventory(self) -> tuple[Device, ...]:
+        """The devices here that option near can name, each once, with its node: network
+        interfaces, InfiniBand devices, DRM cards and NVMe controllers of PCI devices (not
+        virtual ones), and NVIDIA's GPUs (as /dev/nvidiaN). At most MAX_CLASSES of a class."""
+        out: list[Device] = []
+        for cls in ("net", "infiniband", "drm", "nvme"):
+            try:
+                names = sorted(os.listdir(self.sys / "class" / cls))[:MAX_CLASSES]
+            except OSError:
+                continue
+            for name in names:
+                if cls == "drm" and not re.fullmatch(r"card[0-9]+", name):
+                    continue  # connectors and render nodes: the card stands for them
+                try:
+                    near.form(name)
+                    found = self._walk(name, cls, self.sys / "class" / cls / name)
+                except InvalidArgument:
+                    continue
+                if found.address:
+                    out.append(found)
+        for minor, address in self._nvidia_gpus():
+            found = self._walk(f"/dev/nvidia{minor}", "nvidia",
+                               self.sys / "bus/pci/devices" / address)
+            out.append(found)
+        return tuple(out)
 
     # ---- resolving ----
 
@@ -176,18 +202,21 @@ class Resolver:
     def _nvidia_address(self, minor: int) -> str | None:
         """The PCI address of the NVIDIA GPU of ``/dev/nvidia<minor>`` (its "Device Minor" in
         /proc/driver/nvidia/gpus/<address>/information), None when no GPU has it."""
+        return next((a for m, a in self._nvidia_gpus() if m == minor), None)
+
+    def _nvidia_gpus(self) -> Iterator[tuple[int, str]]:
+        """(Device Minor, PCI address) of each NVIDIA GPU in procfs."""
         gpus = self.proc / "driver/nvidia/gpus"
         try:
             entries = sorted(os.listdir(gpus))[:MAX_GPUS]
         except OSError:
-            return None
+            return
         for entry in entries:
             address = near.pci_address(entry)
             text = _small(gpus / entry / "information", 4096) if address else None
             m = _MINOR.search(text or "")
-            if m and int(m[1]) == minor:
-                return address
-        return None
+            if m and address:
+                yield int(m[1]), address
 
     def _walk(self, name: str, kind: str, path: Path) -> Device:
         """Up the real path of ``path`` to the first ``numa_node`` (a device with none up to

@@ -200,7 +200,8 @@ class Service:
         """Learn what the host can do, recover (checkpoint, topology, systemd), then follow
         lifetime=unit allocations and the kernel's reports of partitions."""
         caps = await self.engine.detect_capabilities()
-        self.engine.capabilities = replace(caps, near=self.devices.kinds())
+        self.engine.capabilities = replace(caps, near=self.devices.kinds(),
+                                           devices=self.devices.inventory())
         await recovery.start(self.engine)
         await nearwatch.check(self.engine, self.devices)
         await self.lifetime.watch_all()

@@ -45,6 +45,9 @@ def test_allocate_near_end_to_end(svc: PrivateService) -> None:
     plan = json.loads(svc.ctl("plan", "2", "--near", "0000:17:00.0", "-j").stdout)
     assert CPUSet.parse(plan["cpuset"]) <= NODE0 and plan["memory-nodes"] == "0"
     assert json.loads(svc.ctl("capacity", "2", "--near", "eth1", "-j").stdout)["capacity"] == 2
+    topology = svc.ctl("topology", "--no-pager").stdout
+    assert "NUMA node 1  devices: eth1 mlx5_0 nvme0" in topology, topology
+    assert "Devices without NUMA locality here: eth2 (net 0000:3b:00.1)" in topology
 
 
 def test_refusals_name_the_device(svc: PrivateService) -> None:

@@ -6,6 +6,7 @@ health reason; Plan, Capacity, Resize and the properties agree."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,26 @@ def test_the_command_lines_take_near_repeated() -> None:
     assert line.ours == ["--near", "eth1", "--cpus", "2"] and line.command == ["serve", "--near",
                                                                                "x"]
     assert options_of(run.parser().parse_args(line.ours))["near"] == "eth1"
+
+
+def test_devices_are_drawn_under_their_node(tmp_path: Path) -> None:
+    """cpuservicectl topology: the devices the daemon found at startup (Capabilities'
+    NearDevices) at their NUMA node; those without one below the tree."""
+    from cpuservice.cli.topoview import Pools, near_devices, render
+    from cpuservice.host.devices import Resolver
+    from cpuservice.model.fixtures import MACHINES, write_sysfs
+
+    root = write_sysfs(tmp_path / "sys", "b")
+    write_devices(root, "gpu-box", "b", proc=tmp_path / "proc")
+    found = Resolver(root, tmp_path / "proc").inventory()
+    assert {d.name for d in found} == {"eth0", "eth1", "eth2", "mlx5_0", "card0", "nvme0",
+                                       "/dev/nvidia0", "/dev/nvidia1"}  # lo: virtual
+    caps = {"Capabilities": {"NearDevices": [[d.name, d.node, d.kind, d.address]
+                                             for d in found]}}
+    t = MACHINES["b"].topology()
+    pools = Pools(t.online, CPUSet(), CPUSet(), t.online)
+    text = render(json.loads(t.to_json()), pools, [], devices=near_devices(caps))
+    assert "NUMA node 0  devices: eth0 card0 /dev/nvidia0" in text, text
+    assert "NUMA node 1  devices: eth1 mlx5_0 nvme0 /dev/nvidia1" in text, text
+    assert "Devices without NUMA locality here: eth2 (net 0000:3b:00.1)" in text, text
+    assert "devices" not in render(json.loads(t.to_json()), pools, [])
