@@ -10,6 +10,7 @@ An unbound allocation is never aligned: it runs on the shared pool.
 from __future__ import annotations
 
 from cpuservice.model import near
+from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.pools import Allocation
 from cpuservice.model.topology import Topology
 
@@ -36,8 +37,12 @@ def misalignment(topology: Topology, allocation: Allocation) -> list[str]:
     if remote:
         policy = allocation.request.options.near_policy
         why.append(f"{remote} (near-policy {policy}: no room there when placed)")
+    memory = near.near_memory(topology, allocation.request.devices) \
+        if allocation.request.devices and not remote else None
     if not allocation.request.options.memory_nodes:
         why.append("memory not restricted to its node (no memory-nodes)")
+    elif memory is not None and memory != topology.node_set(known):
+        why.append(f"memory on its devices' nodes {memory}, CPUs on {CPUSet(nodes)}")
     elif len(nodes) == 1 and topology.node_set(known).ids != nodes:
         why.append(f"its node {nodes.pop()} has no memory of its own")
     return why

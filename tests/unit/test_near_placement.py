@@ -108,6 +108,9 @@ def test_two_devices_on_two_nodes_allow_both(machine) -> None:
     ledger, a = alloc(t, ledger_for(t), "g", near_req("12", ETH0, ETH1))
     assert len(a.whole) == 12
     assert placement.describe(t, ledger, a).memory_nodes == CPUSet([0, 1])
+    ledger, b = alloc(t, ledger, "h", near_req("2", ETH0, ETH1))  # CPUs on one node only
+    assert "memory on its devices' nodes 0-1, CPUs on 0" in misalignment(t, b) or \
+        "memory on its devices' nodes 0-1, CPUs on 1" in misalignment(t, b)
 
 
 def test_snc_keeps_to_the_devices_node_not_its_socket(machine) -> None:
