@@ -5,7 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending bench-bus \
+        bench-lending bench-bus bench-figures \
         run man deb
 
 setup:
@@ -89,6 +89,10 @@ bench-lending:
 # any local user's bulk reads against the daemon on a private bus (no container; as root)
 bench-bus:
 	PYTHONPATH=$(CURDIR) $(PY) bench/bus.py
+
+# reading how 3,000 allocations fare from a fake cgroup tree on tmpfs (issue 39)
+bench-figures:
+	PYTHONPATH=$(CURDIR) $(PY) bench/figures.py
 
 deb:
 	bash scripts/build-deb.sh

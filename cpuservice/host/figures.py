@@ -27,19 +27,19 @@ def monotonic_usec() -> int:
     return time.monotonic_ns() // 1000
 
 
-def _read(dfd: int, name: str) -> str | None:
+def _read(path: str) -> str | None:
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW, dir_fd=dfd)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
         return None
     try:
-        parts = []
-        while True:
-            chunk = os.read(fd, CHUNK)
-            if not chunk:
-                break
-            parts.append(chunk)
-        return b"".join(parts).decode("ascii", "replace")
+        data = os.read(fd, CHUNK)
+        if len(data) == CHUNK:  # (a short read is the end: the kernel's files fill the buffer)
+            parts = [data]
+            while chunk := os.read(fd, CHUNK):
+                parts.append(chunk)
+            data = b"".join(parts)
+        return data.decode("ascii", "replace")
     except OSError:
         return None
     finally:
@@ -59,15 +59,7 @@ def read(control_group: str | None, memory_nodes: CPUSet | None = None,
     wanted = (PRESSURE_FILE, CPU_STAT_FILE, *((NUMA_STAT_FILE,) if memory_nodes else ()))
     texts: dict[str, str | None] = dict.fromkeys(wanted)
     if control_group is not None and safe(control_group):
-        try:
-            dfd = os.open(root / control_group.lstrip("/"),
-                          os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            dfd = -1
-        if dfd >= 0:
-            try:
-                for name in wanted:
-                    texts[name] = _read(dfd, name)
-            finally:
-                os.close(dfd)
+        directory = os.path.join(root, control_group.lstrip("/"))
+        for name in wanted:
+            texts[name] = _read(os.path.join(directory, name))
     return figures(clock(), texts, memory_nodes or None)

@@ -16,9 +16,11 @@ remote memory."""
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from cpuservice.model.cpuset import CPUSet
 
@@ -51,8 +53,7 @@ SIGNATURES = {key: sig for key, sig, _ in FIGURES}
 MAX_NAMES = 512  # allocations one GetStatistics call may name (ask in batches)
 
 
-@dataclass(frozen=True)
-class Pressure:
+class Pressure(NamedTuple):
     """One line of a pressure file: percent over 10 and 60 s, microseconds in total."""
 
     avg10: float
@@ -60,8 +61,7 @@ class Pressure:
     total_usec: int
 
 
-@dataclass(frozen=True)
-class CPUStat:
+class CPUStat(NamedTuple):
     """The counters of cpu.stat (None: not in the file; the nr_* need the cpu controller)."""
 
     usage_usec: int | None = None
@@ -130,63 +130,53 @@ class Figures:
         return out
 
 
-def _number(text: str) -> int | None:
-    return int(text) if text.isascii() and text.isdigit() else None
+_PRESSURE = re.compile(r"^(some|full) avg10=([0-9]+\.[0-9]+) avg60=([0-9]+\.[0-9]+) "
+                       r"avg300=[0-9]+\.[0-9]+ total=([0-9]+)$", re.M | re.A)
 
 
 def parse_pressure(text: str) -> tuple[Pressure | None, Pressure | None]:
     """(some, full) of a pressure file; a line that is missing or malformed is None (the
     cgroup's ``full`` line of CPU pressure came with Linux 5.13)."""
     found: dict[str, Pressure] = {}
-    for line in text.splitlines():
-        kind, _, rest = line.partition(" ")
-        if kind not in ("some", "full") or kind in found:
-            continue
-        fields = dict(item.partition("=")[::2] for item in rest.split())
-        try:
-            avg10, avg60 = float(fields["avg10"]), float(fields["avg60"])
-        except (KeyError, ValueError):
-            continue
-        total = _number(fields.get("total", ""))
-        if total is None or not (0.0 <= avg10 <= 100.0 and 0.0 <= avg60 <= 100.0):
-            continue
-        found[kind] = Pressure(avg10, avg60, total)
+    for kind, avg10, avg60, total in _PRESSURE.findall(text):
+        p = Pressure(float(avg10), float(avg60), int(total))
+        if kind not in found and p.avg10 <= 100.0 and p.avg60 <= 100.0:
+            found[kind] = p
     return found.get("some"), found.get("full")
 
 
-_CPU_STAT_KEYS = ("usage_usec", "user_usec", "system_usec", "nr_periods", "nr_throttled",
-                  "throttled_usec")
+_CPU_STAT = re.compile(r"^(usage_usec|user_usec|system_usec|nr_periods|nr_throttled|"
+                       r"throttled_usec) ([0-9]+)$", re.M | re.A)
 
 
 def parse_cpu_stat(text: str) -> CPUStat | None:
     """The counters of a cpu.stat file (cgroup v2); None when it has none of them."""
     found: dict[str, int] = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(" ")
-        number = _number(value.strip())
-        if key in _CPU_STAT_KEYS and number is not None and key not in found:
-            found[key] = number
+    for key, value in _CPU_STAT.findall(text):
+        found.setdefault(key, int(value))
     return CPUStat(**found) if found else None
+
+
+_NUMA_LINE = re.compile(r"(?: N[0-9]+=[0-9]+)+ *", re.A)
+_NUMA_NODE = re.compile(r"N([0-9]+)=([0-9]+)", re.A)
 
 
 def parse_numa_stat(text: str) -> dict[int, int] | None:
     """Bytes of anonymous and file memory on each node (``anon`` and ``file`` lines of
-    memory.numa_stat: ``anon N0=4096 N1=0``); None when the file has neither line or a
-    malformed one."""
+    memory.numa_stat: ``anon N0=4096 N1=0``); None unless the file has both lines, well
+    formed (the kernel writes them first)."""
     out: dict[int, int] = {}
     seen = set()
-    for line in text.splitlines():
-        key, _, rest = line.partition(" ")
-        if key not in ("anon", "file") or key in seen:
+    for line in text.split("\n"):
+        key = line[:4]
+        if key not in ("anon", "file") or key in seen or not _NUMA_LINE.fullmatch(line, 4):
             continue
         seen.add(key)
-        for item in rest.split():
-            node, sep, value = item.partition("=")
-            number = _number(value)
-            if not sep or node[:1] != "N" or _number(node[1:]) is None or number is None:
-                return None
-            out[int(node[1:])] = out.get(int(node[1:]), 0) + number
-    return out if seen == {"anon", "file"} else None
+        for node, value in _NUMA_NODE.findall(line, 4):
+            out[int(node)] = out.get(int(node), 0) + int(value)
+        if len(seen) == 2:
+            return out
+    return None
 
 
 def figures(at_usec: int, texts: Mapping[str, str | None],
@@ -212,6 +202,7 @@ def figures(at_usec: int, texts: Mapping[str, str | None],
                    tuple(unreadable))
 
 
+@functools.lru_cache(maxsize=16384)
 def slice_cgroup(unit: str) -> str | None:
     """The cgroup systemd gives a slice (systemd.slice(5): each ``-`` of its name goes one
     level down: ``a-b-c.slice`` is ``/a.slice/a-b.slice/a-b-c.slice``); None for another kind

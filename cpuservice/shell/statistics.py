@@ -37,6 +37,7 @@ class Statistics:
         self.root = root
         self.clock: Callable[[], int] = reader.monotonic_usec
         self._foreign: dict[str, str] = {}  # foreign unit -> its ControlGroup
+        self._nodes: tuple[object, dict[str, CPUSet | None]] = (None, {})  # (state, nodes)
 
     async def cgroup(self, unit: str) -> str | None:
         """The cgroup of ``unit``: by systemd's rule for cpuservice's own slices, asked of
@@ -58,12 +59,17 @@ class Statistics:
 
     def memory_nodes(self, name: str) -> CPUSet | None:
         """The nodes an allocation with option memory-nodes keeps its memory on (None: the
-        option is off, its memory is not measured for locality)."""
+        option is off, its memory is not measured for locality). Worked out once per state
+        (a state is replaced, never changed)."""
         state = self.engine.state
-        a = state.ledger.allocations.get(name)
-        if a is None or not a.request.options.memory_nodes:
-            return None
-        return placement.describe(self.engine.topology, state.ledger, a).memory_nodes
+        if self._nodes[0] is not state:
+            self._nodes = (state, {})
+        known = self._nodes[1]
+        if name not in known:
+            a = state.ledger.allocations.get(name)
+            known[name] = None if a is None or not a.request.options.memory_nodes else \
+                placement.describe(self.engine.topology, state.ledger, a).memory_nodes
+        return known[name]
 
     async def read(self, names: Iterable[str]) -> dict[str, Figures]:
         """The figures of each of ``names`` that is an allocation, read now (the others are
@@ -73,11 +79,13 @@ class Statistics:
         for name in names:
             state = self.engine.state  # (it may change while the loop runs something else)
             record = state.records.get(name)
-            if name in out or name not in state.ledger.allocations or record is None:
+            if name in out or record is None or name not in state.ledger.allocations:
                 continue
-            group = await self.cgroup(record.unit) if record.unit else None
+            own = units.is_own(record.unit)
+            group = slice_cgroup(record.unit) if own else \
+                await self.cgroup(record.unit) if record.unit else None
             found = reader.read(group, self.memory_nodes(name), self.root, self.clock)
-            if group is not None and not units.is_own(record.unit) and found.cpu is None:
+            if group is not None and not own and found.cpu is None:
                 self._foreign.pop(record.unit, None)  # ask again next time
             out[name] = found
             if time.monotonic() - since > SLICE:
