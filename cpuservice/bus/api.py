@@ -17,6 +17,7 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from cpuservice import __version__
 from cpuservice.apply import views
 from cpuservice.apply.units import NO_QUOTA
+from cpuservice.bus import statistics
 from cpuservice.bus.callers import Callers
 from cpuservice.bus.objects import (
     ALLOCATION_SIGNATURES,
@@ -47,6 +48,7 @@ from cpuservice.model.errors import (
 )
 from cpuservice.shell.engine import Snapshot
 from cpuservice.shell.service import Service
+from cpuservice.shell.statistics import Statistics
 
 __all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
 log = logging.getLogger(__name__)
@@ -65,6 +67,7 @@ class Manager(Callers, ServiceInterface):
         self._uids = OrderedDict()
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         self.reads = Reads(bus, self)  # GetManagedObjects, GetAll, Introspect: in turn, cached
+        self.statistics = Statistics(service.engine)  # GetStatistics: from the kernel, in turn
         service.subscribe(self)
 
     def export_all(self) -> None:
@@ -251,6 +254,12 @@ class Manager(Callers, ServiceInterface):
         if name not in self.service.ledger.allocations:
             raise NoSuchAllocation(f"no allocation named {name!r}")
         return path_of(name)
+
+    @method()
+    @boundary
+    @in_turn
+    async def GetStatistics(self, names: "as") -> "a{sa{sv}}":
+        return await statistics.reply(self.statistics, names)
 
     @method()
     @boundary

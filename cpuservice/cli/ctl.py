@@ -19,7 +19,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cpuservice import __version__
-from cpuservice.cli import ctl_export, ctl_lending, ctl_moves, topoview
+from cpuservice.cli import ctl_export, ctl_figures, ctl_lending, ctl_moves, ctl_top, topoview
 from cpuservice.cli.client import (
     ALLOCATION,
     DEST,
@@ -128,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     ctl_moves.add_parsers(sub)
     ctl_lending.add_parsers(sub)
     ctl_export.add_parser(sub)
+    ctl_top.add_parser(sub)
     return p
 
 
@@ -181,8 +182,7 @@ def _wanted(args: argparse.Namespace) -> list[str]:
 
 
 async def _show(c: Client, args: argparse.Namespace) -> int:
-    props = await c.allocation(args.name)
-    props.pop("Path")
+    props = await ctl_figures.for_show(c, args.name, _wanted(args))
     wanted = _wanted(args) or sorted(props)
     unknown = [p for p in wanted if p not in props]
     if unknown:
@@ -354,7 +354,7 @@ HANDLERS = {"status": _status, "list": _list, "show": _show, "plan": _plan,
             "allocate": _allocate, "resize": _resize, "release": _release,
             "revalidate": _revalidate, "export": ctl_export.export,
             "defrag": lambda c, a: ctl_moves.defrag(c, a, a.json_mode if _json(a) else None),
-            "movable": ctl_moves.movable, "lend": ctl_lending.lend}
+            "movable": ctl_moves.movable, "lend": ctl_lending.lend, "top": ctl_top.top}
 
 
 async def _run(args: argparse.Namespace) -> int:

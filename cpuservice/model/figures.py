@@ -220,7 +220,8 @@ def slice_cgroup(unit: str) -> str | None:
 @dataclass(frozen=True)
 class Rates:
     """Between two readings of one allocation: CPUs used (1.0: one CPU's time; None: unknown),
-    the share of the quota's periods that throttled it and the time throttled per second."""
+    the share of the quota's periods that throttled it (None also when no period passed: it
+    has no quota) and the time throttled per second."""
 
     cpus_used: float | None
     throttled_percent: float | None
@@ -242,8 +243,15 @@ def rates(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> Rates:
         return Rates(None, None, None)
     used = delta("cpu-usage-usec")
     periods, throttled = delta("cpu-periods"), delta("cpu-throttled-periods")
-    share = None if periods is None or throttled is None or throttled > periods else (
-        100.0 * throttled / periods if periods else 0.0)
+    share = None if not periods or throttled is None or throttled > periods else \
+        100.0 * throttled / periods  # (no period passed: no quota, nothing to throttle)
     time_throttled = delta("cpu-throttled-usec")
     return Rates(None if used is None else used / span, share,
                  None if time_throttled is None else time_throttled / span)
+
+
+def show_name(key: str) -> str:
+    """A figure's name as ``cpuservicectl show`` prints it, in systemd's manner (as its
+    CPUUsageNSec): ``cpu-throttled-usec`` is CPUThrottledUSec."""
+    words = {"cpu": "CPU", "usec": "USec"}
+    return "".join(words.get(w, w.capitalize()) for w in key.split("-"))

@@ -147,7 +147,7 @@ def test_rates_between_two_readings() -> None:
     assert rates(after, after).cpus_used is None  # no time passed
     no_quota = rates(before | {"cpu-periods": 0, "cpu-throttled-periods": 0},
                      after | {"cpu-periods": 0, "cpu-throttled-periods": 0})
-    assert no_quota.throttled_percent == 0.0
+    assert no_quota.throttled_percent is None
 
 
 def test_every_figure_has_one_signature() -> None:
