@@ -21,7 +21,7 @@ from dbus_fast.aio import MessageBus
 
 from cpuservice import __version__
 from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
-from cpuservice.host import journal, metrics, notify
+from cpuservice.host import figure_metrics, journal, metrics, notify
 from cpuservice.host.authz import Authority
 from cpuservice.host.checkpoint import Store
 from cpuservice.host.hotplug import CPUMonitor, Debouncer
@@ -33,6 +33,7 @@ from cpuservice.shell.engine import Engine
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.ports import KernelAPI, SystemdAPI
 from cpuservice.shell.service import Service
+from cpuservice.shell.statistics import Sampler
 
 log = logging.getLogger("cpuserviced")
 EXIT_CONFIG = 78
@@ -54,13 +55,21 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
     return service
 
 
-def metrics_file(cfg: config.Config, service: Service) -> metrics.Textfile | None:
+def metrics_file(cfg: config.Config, service: Service,
+                 sampler: Sampler | None = None) -> metrics.Textfile | None:
+    """The metrics file; with ``sampler``, each allocation's figures as it last read them."""
     if not cfg.metrics_file:
         return None
     store = service.engine.store
-    return metrics.Textfile(cfg.metrics_file, lambda: metrics.render(
-        service.topology, service.state, service.engine.counters, __version__,
-        (store.write_error is not None, store.write_failures)))
+
+    def render() -> str:
+        text = metrics.render(service.topology, service.state, service.engine.counters,
+                              __version__, (store.write_error is not None, store.write_failures))
+        if sampler is None or not sampler.interval:
+            return text
+        return text + figure_metrics.render(sampler.latest, service.ledger.allocations,
+                                            sampler.took)
+    return metrics.Textfile(cfg.metrics_file, render)
 
 
 async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> int:
@@ -90,7 +99,10 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if monitor is not None:
         monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
-    textfile = metrics_file(cfg, service)
+    # every allocation's figures for the metrics, read every metrics_statistics_seconds
+    sampler = Sampler(manager.statistics, cfg.metrics_statistics_seconds if cfg.metrics_file
+                      else 0)
+    textfile = metrics_file(cfg, service, sampler)
 
     def status() -> str:
         text = notify.status_text(service.ledger)
@@ -119,6 +131,8 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     notifier.start_watchdog()
     if textfile is not None:
         textfile.write()
+        sampler.on_sample = textfile.changed
+        sampler.start()
     async def drain() -> None:
         try:  # nothing stays lent that no one watches (a restart lends again when idle)
             await service.lending.shutdown()
@@ -129,6 +143,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     try:
         return await until_stopped(bus, loop, notifier, drain)
     finally:
+        await sampler.stop()
         notifier.stop_watchdog()
         if textfile is not None:
             textfile.remove()

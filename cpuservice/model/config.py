@@ -61,6 +61,10 @@ class Config(compat.StrictModel):
     max_changes_per_user_per_minute: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=1_000_000) = 600
     metrics_file: StrictStr = METRICS_EXAMPLE
+    # how often every allocation's figures (pressure, usage, throttling, remote memory: issue
+    # 39) are read from the kernel for the metrics file; 0: none in it
+    metrics_statistics_seconds: conint(  # type: ignore[valid-type]
+        strict=True, ge=0, le=3600) = 15
     max_moves_per_allocation_per_hour: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=3600) = 4
     # lending idle whole cores (option lend, cpuservice.model.lending): the owner's load on

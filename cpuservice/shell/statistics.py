@@ -108,12 +108,15 @@ class Sampler:
         self.interval = interval
         self.on_sample = on_sample
         self.latest: Mapping[str, Figures] = {}
+        self.took: float | None = None  # seconds the last reading took
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
         self._task: asyncio.Task[None] | None = None
 
     async def sample(self) -> None:
         names = sorted(self.statistics.engine.state.ledger.allocations)
+        start = time.monotonic()
         self.latest = await self.statistics.read(names) if names else {}
+        self.took = time.monotonic() - start if names else None
         self.on_sample()
 
     async def _run(self) -> None:
