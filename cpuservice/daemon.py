@@ -30,6 +30,7 @@ from cpuservice.host.sysfs import discover
 from cpuservice.host.systemd import Systemd
 from cpuservice.model import config
 from cpuservice.shell.engine import Engine
+from cpuservice.shell.health import HealthMonitor
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.ports import KernelAPI, SystemdAPI
 from cpuservice.shell.service import Service
@@ -68,7 +69,7 @@ def metrics_file(cfg: config.Config, service: Service,
         if sampler is None or not sampler.interval:
             return text
         return text + figure_metrics.render(sampler.latest, service.ledger.allocations,
-                                            sampler.took)
+                                            sampler.took, service.engine.strain)
     return metrics.Textfile(cfg.metrics_file, render)
 
 
@@ -99,10 +100,17 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if monitor is not None:
         monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
-    # every allocation's figures for the metrics, read every metrics_statistics_seconds
-    sampler = Sampler(manager.statistics, cfg.metrics_statistics_seconds if cfg.metrics_file
-                      else 0)
+    # every allocation's figures, read every statistics_seconds: its health, the metrics
+    sampler = Sampler(service.statistics, cfg.statistics_seconds)
+    health_monitor = HealthMonitor(service.engine, cfg.health_limits)
     textfile = metrics_file(cfg, service, sampler)
+
+    def sampled() -> None:
+        health_monitor.observe(sampler.latest)
+        if textfile is not None:
+            textfile.changed()
+
+    sampler.on_sample = sampled
 
     def status() -> str:
         text = notify.status_text(service.ledger)
@@ -131,8 +139,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     notifier.start_watchdog()
     if textfile is not None:
         textfile.write()
-        sampler.on_sample = textfile.changed
-        sampler.start()
+    sampler.start()
     async def drain() -> None:
         try:  # nothing stays lent that no one watches (a restart lends again when idle)
             await service.lending.shutdown()
@@ -143,7 +150,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     try:
         return await until_stopped(bus, loop, notifier, drain)
     finally:
-        await sampler.stop()
+        await sampler.shutdown()
         notifier.stop_watchdog()
         if textfile is not None:
             textfile.remove()

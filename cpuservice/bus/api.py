@@ -48,7 +48,6 @@ from cpuservice.model.errors import (
 )
 from cpuservice.shell.engine import Snapshot
 from cpuservice.shell.service import Service
-from cpuservice.shell.statistics import Statistics
 
 __all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
 log = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ class Manager(Callers, ServiceInterface):
         self._uids = OrderedDict()
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         self.reads = Reads(bus, self)  # GetManagedObjects, GetAll, Introspect: in turn, cached
-        self.statistics = Statistics(service.engine)  # GetStatistics: from the kernel, in turn
+        self.statistics = service.statistics  # GetStatistics: from the kernel, in turn
         service.subscribe(self)
 
     def export_all(self) -> None:
@@ -167,11 +166,11 @@ class Manager(Callers, ServiceInterface):
         Computed once per state (the state and the topology are replaced, never changed, on
         every change): GetAll and GetManagedObjects read every allocation's properties."""
         snap = snap or self.service.snapshot()
-        key = (snap.state, snap.topology, snap.partition_report(name))
+        key = (snap.state, snap.topology, snap.partition_report(name), snap.strain.get(name, ()))
         cached = self._values.get(name)
         if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
             cached = self._values[name] = (key, views.allocation(snap.topology, snap.state,
-                                                                 name, key[2]))
+                                                                 name, key[2], key[3]))
         return cached[1]
 
     def manager_key(self, snap: Snapshot | None = None) -> tuple[object, ...]:
@@ -179,7 +178,8 @@ class Manager(Callers, ServiceInterface):
         state, topology, capabilities and interrupt report (each replaced, never changed) and
         the kernel's partition reports."""
         snap = snap or self.service.snapshot()
-        return (snap.state, snap.topology, snap.capabilities, snap.irqs, snap.partition_reports)
+        return (snap.state, snap.topology, snap.capabilities, snap.irqs, snap.partition_reports,
+                snap.strain)
 
     @method()
     @boundary

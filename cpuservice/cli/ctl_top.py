@@ -22,6 +22,7 @@ from cpuservice.cli import ctl_figures
 from cpuservice.cli.client import Client
 from cpuservice.cli.ctl_output import JsonMode, dumps, table
 from cpuservice.model.figures import rates
+from cpuservice.model.health import REASONS
 
 ORDERS = ("cpu", "pressure", "throttled", "name", "cpus")
 CLEAR = "\x1b[H\x1b[2J"  # cursor home, clear the screen
@@ -103,6 +104,16 @@ def ordered(found: Sequence[Row], order: str) -> list[Row]:
     return sorted(found, key=key)
 
 
+def health_word(health: str, reason: str) -> str:
+    """The HEALTH column: ok, degraded, or the reasons its figures raised (pressured, ...)."""
+    raised = [r for r in REASONS if any(part.startswith(f"{r}:")
+                                        for part in reason.split("; "))]
+    if health != "ok" and raised:
+        return ",".join(raised) + ("" if len(raised) == len(reason.split("; ")) else
+                                   ",degraded")
+    return health
+
+
 def _num(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -110,7 +121,8 @@ def _num(value: float | None, digits: int) -> str:
 def text(found: Sequence[Row], legend: bool = True) -> str:
     out = [("NAME", "CPUS", "CPUSET", "%CPU", "PRESSURE%", "THROTTLED%", "LENT", "HEALTH")]
     out += [(r.name, r.cpus, r.cpuset or "-", _num(r.cpu_percent, 1), _num(r.pressure, 2),
-             _num(r.throttled, 1), r.lent or "-", r.health) for r in found]
+             _num(r.throttled, 1), r.lent or "-", health_word(r.health, r.reason))
+            for r in found]
     return table(out, legend)
 
 

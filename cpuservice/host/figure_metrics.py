@@ -1,5 +1,5 @@
 """How each allocation fares (issue 39), as metrics: the figures the sampler last read
-(cpuservice.shell.statistics.Sampler, every ``metrics_statistics_seconds``), labelled by
+(cpuservice.shell.statistics.Sampler, every ``statistics_seconds``), labelled by
 allocation, appended to the metrics file (cpuservice.host.metrics). Pure: the text from the
 figures. The kernel is read by the sampler only, never when the file is written for another
 change, so a burst of changes on 3,000 allocations does not read 3,000 cgroups each time; the
@@ -8,23 +8,31 @@ values are at most one sampling interval old.
 Per allocation: CPU time used, periods, throttled periods and throttled time, pressure (some,
 full) as counters (use rate()), and for allocations with option memory-nodes the share of their
 memory on other nodes: six series each, seven with memory nodes, each only where the kernel
-gives the figure."""
+gives the figure; and one series per health reason raised now (cpuservice.model.health)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from cpuservice.host.metrics import _Text
 from cpuservice.model.figures import Figures
 
 
 def render(figures: Mapping[str, Figures], allocations: Iterable[str],
-           read_seconds: float | None = None) -> str:
+           read_seconds: float | None = None,
+           strain: Mapping[str, tuple[str, ...]] = MappingProxyType({})) -> str:
     """The figures' families for the allocations that exist now (``allocations``); a family
     with no sample has its HELP and TYPE only. ``read_seconds``: how long the last reading of
-    all of them took."""
-    values = {n: figures[n].values() for n in sorted(set(allocations)) if n in figures}
+    all of them took; ``strain``: the health reasons the figures raised (one series per
+    raised reason: none while every allocation fares well)."""
+    names = sorted(set(allocations))
+    values = {n: figures[n].values() for n in names if n in figures}
     out = _Text()
+    out.family("cpuservice_allocation_health", "gauge",
+               "1 while the figures of an allocation raise a health reason (pressured, "
+               "throttled, memory-remote; health_*_percent in cpuservice.toml).",
+               [({"allocation": n, "reason": r}, 1) for n in names for r in strain.get(n, ())])
 
     def family(name: str, kind: str, text: str, key: str, per: float = 1) -> None:
         out.family(name, kind, text, [({"allocation": n}, v[key] / per)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from cpuservice.apply import partitions, reconcile, units, views
@@ -85,6 +85,8 @@ class Snapshot:
     capabilities: partitions.Capabilities
     irqs: Report | None
     generation: int = 0  # changes committed since the start (the service counts them)
+    # allocation -> the health reasons its figures raised (cpuservice.shell.health)
+    strain: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def partition_report(self, name: str) -> partitions.State | None:
         return self.partition_reports.get(name)
@@ -122,6 +124,8 @@ class Engine:
         self.capabilities = partitions.Capabilities()
         self.partition_states: dict[str, partitions.State] = {}
         self.read_partition: Callable[[str], partitions.State | None] = partitions.read_state
+        # the health reasons of the allocations' figures (cpuservice.shell.health replaces it)
+        self.strain: Mapping[str, tuple[str, ...]] = MappingProxyType({})
         self.detect_kernel: Callable[[], tuple[bool, str]] = partitions.detect_kernel
         self.lock = asyncio.Lock()
 
@@ -195,7 +199,8 @@ class Engine:
         before_partitions = dict(self.partition_states)
         await self.observe_partitions(changed)
         publish.publish(self.events, self.targets.forget, (old, old_topology, before_partitions),
-                        (new, self.topology, self.partition_states), changed, change.reasons)
+                        (new, self.topology, self.partition_states), changed, change.reasons,
+                        self.strain)
         for event in change.events:
             self.audit.send(event)
         for note in change.notes:
@@ -214,7 +219,8 @@ class Engine:
         """What readers (the bus, the CLI through it, the metrics) may see: immutable values of
         this instant, never the engine itself."""
         return Snapshot(self.state, self.topology, MappingProxyType(dict(self.partition_states)),
-                        self.capabilities, self.kernel.report if self.kernel else None)
+                        self.capabilities, self.kernel.report if self.kernel else None,
+                        strain=self.strain)
 
     async def settle(self) -> None:
         """Wait until the kernel holders have what was last applied to them (give-backs are
@@ -323,9 +329,11 @@ class Engine:
         announced = False
         for name in sorted(await self.observe_partitions()):
             if name in self.state.ledger.allocations:
+                strain = self.strain.get(name, ())
                 diff = views.changed(
-                    views.allocation(self.topology, self.state, name, before.get(name)),
-                    views.allocation(self.topology, self.state, name, self.partition_report(name)))
+                    views.allocation(self.topology, self.state, name, before.get(name), strain),
+                    views.allocation(self.topology, self.state, name, self.partition_report(name),
+                                     strain))
                 if diff:
                     self.events.allocation_changed(name, reason, diff)
                     announced = True

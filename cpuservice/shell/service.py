@@ -45,6 +45,7 @@ from cpuservice.shell.lending import Lending
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.partition_watch import PartitionHealer
 from cpuservice.shell.ports import Events
+from cpuservice.shell.statistics import Statistics
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class Service:
         # same name goes when the new one is committed
         self.admission = Admission(engine, self._follow, fresh=self._forget_serial)
         self.lending = Lending(engine, skip=self._releasing.__contains__)
+        self.statistics = Statistics(engine)  # how each allocation fares (GetStatistics)
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)

@@ -131,7 +131,7 @@ class Sampler:
         if self._task is None and self.interval > 0:
             self._task = asyncio.create_task(self._run())
 
-    async def stop(self) -> None:
+    async def shutdown(self) -> None:
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -1,5 +1,5 @@
 """How each allocation fares (issue 39), step 3: the figures in the metrics file, labelled by
-allocation, read from the kernel by the sampler only (every metrics_statistics_seconds), never
+allocation, read from the kernel by the sampler only (every statistics_seconds), never
 when the file is written for another change."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_the_metrics_file_reads_the_kernel_only_when_the_sampler_does(tmp_path: 
             return await real(names)  # type: ignore[arg-type]
 
         stats.read = counted  # type: ignore[method-assign]
-        sampler = Sampler(stats, host.cfg.metrics_statistics_seconds)
+        sampler = Sampler(stats, host.cfg.statistics_seconds)
         textfile = metrics_file(host.cfg, svc, sampler)
         assert textfile is not None
         write_cgroup(root, WEB, {"cpu.pressure": PRESSURE, "cpu.stat": CPU_STAT})
@@ -111,7 +111,7 @@ def test_the_sampler_reads_every_interval_until_stopped(tmp_path: Path) -> None:
         sampler.start()
         for _ in range(10):
             await asyncio.sleep(0)
-        await sampler.stop()
+        await sampler.shutdown()
         return slept, len(told)
 
     slept, told = asyncio.run(body())
@@ -119,10 +119,10 @@ def test_the_sampler_reads_every_interval_until_stopped(tmp_path: Path) -> None:
 
 
 def test_zero_turns_the_figures_off(tmp_path: Path) -> None:
-    cfg = config_mod.validate({"metrics_statistics_seconds": 0,
+    cfg = config_mod.validate({"statistics_seconds": 0,
                                "state_file": str(tmp_path / "s.json")})
-    assert cfg.metrics_statistics_seconds == 0
+    assert cfg.statistics_seconds == 0
     assert config_mod.validate({"state_file": str(tmp_path / "s.json")}
-                               ).metrics_statistics_seconds == 15
+                               ).statistics_seconds == 10
     text = (Path(__file__).parents[2] / "systemd/cpuservice.toml").read_text()
-    assert "#metrics_statistics_seconds = 15\n" in text
+    assert "#statistics_seconds = 10\n" in text

@@ -184,6 +184,16 @@ def test_top_refuses_nonsense(argv: list[str]) -> None:
     assert exc.value.code == 2
 
 
+def test_top_names_the_health_reasons() -> None:
+    from cpuservice.model import health
+    text = health.describe(("pressured", "memory-remote"))
+    assert ctl_top.health_word("degraded", text) == "pressured,memory-remote"
+    assert ctl_top.health_word("degraded", "holds none of its 2 CPUs; " + text) == \
+        "pressured,memory-remote,degraded"
+    assert ctl_top.health_word("degraded", "holds none of its 2 CPUs") == "degraded"
+    assert ctl_top.health_word("ok", "") == "ok"
+
+
 def test_top_defaults() -> None:
     args = parse(["top"])
     assert (args.batch, args.iterations, args.delay, args.order) == (False, None, 1.0, "cpu")
