@@ -227,6 +227,7 @@ MAIN: dict[str, Scenario] = {
     "moves": Scenario("python3 /payload/tests/lab/scenarios/moves.py", 120, ("install",)),
     "lending": Scenario("python3 /payload/tests/lab/scenarios/lending.py check", 240,
                         ("install",)),
+    "figures": Scenario("python3 /payload/tests/lab/scenarios/figures.py", 600, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.
