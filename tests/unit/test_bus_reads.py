@@ -1,5 +1,5 @@
 """The bus's reads that anyone may make (issue 37, item 1), without a bus: the fair turns
-(cpuservice.bus.fair: one at a time, round robin, bounded, at most half the loop) and the
+(cpuservice.bus.fair: one at a time, round robin over callers, bounded, a share of the time) and the
 prepared replies (cpuservice.bus.reads: the bytes are those dbus-fast would marshal itself).
 The same code against a real dbus-daemon and a caller as nobody: tests/integration/
 test_bus_flood.py."""
@@ -71,7 +71,7 @@ def test_reads_take_at_most_their_share_of_the_loop() -> None:
 
 def test_a_connection_may_have_so_many_reads_waiting() -> None:
     async def body() -> tuple[int, str]:
-        turns, log = Turns(per_sender=3, share=1.0), list[str]()
+        turns, log = Turns(per_caller=3, share=1.0), list[str]()
         reads = [asyncio.ensure_future(_read(turns, ":1.1", log, "r")) for _ in range(5)]
         done = await asyncio.gather(*reads, return_exceptions=True)
         refused = [r for r in done if isinstance(r, Refused)]
