@@ -162,3 +162,27 @@ def test_an_empty_prepared_reply() -> None:
     got = Prepared(call, MANAGED, managed_body(()))
     want.serial = got.serial = 3
     assert got._marshall(False) == want._marshall(False)
+
+
+def test_a_callers_pause_holds_up_no_other_caller() -> None:
+    async def body() -> tuple[float, list[str]]:
+        turns, log = Turns(share=1.0, rate=1e6), list[str]()
+
+        async def hog(i: int) -> None:  # a megabyte reply each: a second's pause after it
+            async with turns.turn("uid 65534") as turn:
+                log.append(f"hog{i}")
+                turn.sent = 1_000_000
+                await asyncio.sleep(0)
+
+        hogs = [asyncio.ensure_future(hog(i)) for i in range(3)]
+        await asyncio.sleep(0.01)  # the first hog read is done, the hog rests
+        start = time.monotonic()
+        await _read(turns, "uid 1000", log, "other")
+        waited = time.monotonic() - start
+        for task in hogs:
+            task.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+        return waited, log
+
+    waited, log = asyncio.run(body())
+    assert log == ["hog0", "other"] and waited < 0.1
