@@ -22,9 +22,11 @@ Revalidate and hotplug repair. The ordering rule, stated once:
          stops being one before), the others follow, it goes last. When there are none (a
          move swaps CPUs with the whole shared pool), they narrow for a moment instead: the
          units holding what one of them waits for shrink off it (to one CPU, if need be),
-         and that one takes what is free of its target (cpuservice.apply.waits). A change
-         with no such order either (units holding one CPU each that swap, nothing free) is
-         refused before anything is touched (NoSafeOrder): never applied out of order.
+         and that one takes what is free of its target; or one steps aside onto a CPU no
+         unit holds yet (a new unit's: new units start last) (cpuservice.apply.waits). A
+         change with no such order found (units holding one CPU each that swap, nothing
+         free) is refused before anything is touched (NoSafeOrder): never applied out of
+         order.
     The one exception: a CPU its owner lends (cpuservice.model.lending) may be in the owner's
     unit and the borrow slice at once; it is lent by growing the borrow slice (step 3) and
     withdrawn by shrinking it (step 1), and nothing ever passes through it.
@@ -74,13 +76,14 @@ def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
 
 
 def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
-         lent: CPUSet = EMPTY, sharer: str = "") -> Transaction:
+         lent: CPUSet = EMPTY, sharer: str = "", shared: CPUSet = EMPTY) -> Transaction:
     """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
     that are whole CPUs of a bound allocation before or after (the ones the rule protects);
     units are otherwise allowed to share CPUs (the shared pool, fragment CPUs). ``lent``: those
     lent (lending.shareable), which the unit ``sharer`` (the borrow slice) may hold besides the
     one other unit that holds them (their owner's): they are protected from every other unit
-    as usual. Raises NoSafeOrder when no order keeps the rule."""
+    as usual. ``shared``: the shared pool after the change, whose holders may hold its CPUs
+    together while they get them. Raises NoSafeOrder when no order keeps the rule."""
     ops: list[Op] = []
     unsafe = exclusive | lent
 
@@ -132,40 +135,16 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
 
     # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
     # not yet handled still holds waits until that one has moved
-    pending = sorted(after)
     # CPUs any unit may hold for a moment (the shared pool's): of the units after the change,
     # so online ones (before a hotplug repair, units may name CPUs that went offline)
     mentioned = CPUSet.union_all(c for spec in after.values() if (c := spec.cpus) is not None)
-    parking = mentioned - unsafe
-    while pending:
-        wants = {u: None if (c := after[u].cpus) is None else claim(u, c) for u in pending}
-        ready = [u for u in pending if not _waits(u, wants[u], pending, holding, exclusive)]
-        if not ready:
-            # units that swap CPUs, or a longer cycle: one of them moves to the parking CPUs
-            # first (a partition stops being one before), the others follow, it last; with
-            # nothing to park on, units narrow for a moment (cpuservice.apply.waits)
-            steps = (waits.park(pending, wants, now, holding, exclusive, parking)
-                     or waits.narrow(pending, wants, now, holding, exclusive, claim))
-            if steps is None:
-                raise NoSafeOrder(pending)
-            ops.extend(steps)
-            continue
-        for unit in ready:
-            pending.remove(unit)
-            ops.extend(_final(unit, now.get(unit), after[unit]))
-            will = wants[unit]
-            if will is None:
-                holding.pop(unit, None)
-            else:
-                holding[unit] = will
-    return Transaction(tuple(ops))
-
-
-def _waits(unit: str, will: CPUSet | None, pending: Sequence[str], holding: Mapping[str, CPUSet],
-           exclusive: CPUSet) -> bool:
-    if will is None or not will & exclusive:
-        return False
-    return any(u != unit and u in holding and holding[u] & will & exclusive for u in pending)
+    rule = waits.Rule(exclusive, shared, mentioned - unsafe, (mentioned & exclusive) - lent,
+                      claim)
+    walk = waits.Walk(after, rule, _final)
+    rest = walk.order(sorted(after), now, holding)
+    if rest is None:
+        raise NoSafeOrder(walk.stuck)
+    return Transaction(tuple(ops + rest))
 
 
 def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:

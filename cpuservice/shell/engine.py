@@ -183,7 +183,7 @@ class Engine:
         return reconcile.plan(self.targets.specs(old[0], old[1], names),
                               self.targets.specs(new[0], new[1], names),
                               old[1].ledger.exclusive | new[1].ledger.exclusive,
-                              lending.shareable(old, new), units.BORROW)
+                              lending.shareable(old, new), units.BORROW, new[1].ledger.shared)
 
     def orderable(self, ledger: Ledger, records: Mapping[str, Record] | None = None) -> bool:
         """Whether the change from the state to ``ledger`` (with ``records``: the state's by
@@ -256,7 +256,8 @@ class Engine:
         # a dead slice of ours is stopped first, so that it can be started again
         stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
         tx = reconcile.plan(before, after, state.ledger.exclusive | held,
-                            self.targets.shareable(self.topology, state, before), units.BORROW)
+                            self.targets.shareable(self.topology, state, before), units.BORROW,
+                            state.ledger.shared)
         await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
 
     async def observe(self, after: Mapping[str, UnitSpec]
