@@ -52,14 +52,14 @@ def fragmented_ledger(topology: Topology, allocations: int = 1300, seed: int = S
 def ordered(topology: Topology, ledger: Ledger) -> Callable[[Ledger], bool]:
     """What Engine.orderable asks of a re-pack result, on ``ledger`` (each allocation in its
     own slice, the host confined): whether the transaction to it has a safe order."""
-    def records(ledger: Ledger) -> dict[str, Record]:
-        return {n: Record(0, slice_of(n, a.request)) for n, a in ledger.allocations.items()}
-
-    state = State(ledger, records(ledger))
+    records = {n: Record(0, slice_of(n, a.request)) for n, a in ledger.allocations.items()}
+    state = State(ledger, records)
     targets = Targets(confine_host=True)
 
     def safe(after: Ledger) -> bool:
-        new = State(after, records(after))
+        new = State(after, {**records, **{n: Record(0, slice_of(n, a.request))
+                                          for n, a in after.allocations.items()
+                                          if n not in records}})
         memo = targets.memo()
         try:
             names = targets.changed(state, new, None)

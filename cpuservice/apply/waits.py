@@ -161,6 +161,8 @@ class Walk:
     def __init__(self, after: Mapping[str, UnitSpec], rule: Rule,
                  final: Callable[[str, UnitSpec | None, UnitSpec], list[Op]]) -> None:
         self.after, self.rule, self.final = after, rule, final
+        self.wants = {u: None if (c := spec.cpus) is None else rule.claim(u, c)
+                      for u, spec in after.items()}
         self.budget, self.stuck = SEARCH, list[str]()
         self.seen: set[tuple[tuple[str, ...], frozenset[tuple[str, CPUSet]]]] = set()
 
@@ -171,8 +173,7 @@ class Walk:
         ops: list[Op] = []
         rule = self.rule
         while pending:
-            wants = {u: None if (c := self.after[u].cpus) is None else rule.claim(u, c)
-                     for u in pending}
+            wants = {u: self.wants[u] for u in pending}
             # new units start once every unit that is there already is done (none waits for
             # them): until then, the CPUs they are to have are free to step aside onto
             ready = [u for u in ([u for u in pending if u in now] or pending)
