@@ -5,7 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending \
+        bench-lending bench-bus \
         run man deb
 
 setup:
@@ -85,6 +85,10 @@ bench-irq:
 # VM lab: an owner's cyclictest latency unlent/lent, the borrower's harvest, withdrawal time
 bench-lending:
 	PYTHONPATH=$(CURDIR) $(PY) bench/lending.py
+
+# any local user's bulk reads against the daemon on a private bus (no container; as root)
+bench-bus:
+	PYTHONPATH=$(CURDIR) $(PY) bench/bus.py
 
 deb:
 	bash scripts/build-deb.sh
