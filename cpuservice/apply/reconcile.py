@@ -26,7 +26,8 @@ Revalidate and hotplug repair. The ordering rule, stated once:
          unit holds yet (a new unit's: new units start last) (cpuservice.apply.waits). A
          change with no such order found (units holding one CPU each that swap, nothing
          free) is refused before anything is touched (NoSafeOrder): never applied out of
-         order.
+         order (what cannot be refused, a restart's, passes those allocations through the
+         shared pool instead: cpuservice.shell.recovery.through_pool).
     The one exception: a CPU its owner lends (cpuservice.model.lending) may be in the owner's
     unit and the borrow slice at once; it is lent by growing the borrow slice (step 3) and
     withdrawn by shrinking it (step 1), and nothing ever passes through it.

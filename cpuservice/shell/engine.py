@@ -148,7 +148,9 @@ class Engine:
             log.error("applying a change failed, rolling back: %s", exc)
             self.topology = old_topology
             self.targets.restore(memo)
-            if observed or not (isinstance(exc, reconcile.Failed) and exc.clean):
+            # (no safe order of the sync: nothing of it was done, nothing to put back)
+            if (observed or not (isinstance(exc, reconcile.Failed) and exc.clean)) and not \
+                    isinstance(exc, reconcile.NoSafeOrder):
                 try:
                     await self._sync(old)
                 except Exception as again:

@@ -23,6 +23,7 @@ from cpuservice import placement
 from cpuservice.apply import reconcile, units
 from cpuservice.apply.change import Change
 from cpuservice.apply.reconcile import NoSafeOrder, UnitSpec, plan
+from cpuservice.model import config as config_mod
 from cpuservice.model import lending
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CPUServiceError, InsufficientCPUs, InvalidArgument
@@ -424,4 +425,38 @@ def test_a_restart_mid_move_lends_no_cpu_another_slice_still_holds(tmp_path: Pat
         held = _held_alone(host.fake.timeline[restart[0]])
         check_window(host.fake, restart, svc.ledger.exclusive | held, lent=lent)
         agree(svc, host.fake)
+    asyncio.run(body())
+
+
+def test_a_restart_with_no_safe_order_passes_through_the_shared_pool(tmp_path: Path) -> None:
+    """A restart cannot refuse what it derived. CPU 0 becomes reserved while a holds it on a
+    full machine (lab: b holds 2-7, the shared pool is 1): the repair moves a onto 1 and the
+    pool onto 0, a swap of single CPUs with nothing free, for which no order keeps the rule.
+    a passes through the shared pool instead: degraded for a moment (its slice runs on the
+    pool, with its old CPU in it), then placed again by the repair that follows. b's CPUs are
+    in no other unit at any instant, a's only ever with the pool's holders, and the start
+    ends with a whole again."""
+    async def body() -> None:
+        host = Host(tmp_path, machine="lab")
+        svc = await host.service()
+        await svc.allocate("a", "1", {"bind": True}, 0)
+        await svc.allocate("b", "6", {"bind": True}, 0)
+        assert (svc.ledger.allocations["a"].whole, svc.ledger.shared) == (CPUSet((0,)),
+                                                                          CPUSet((1,)))
+        host.cfg = config_mod.validate({**host.cfg.__dict__, "reserved_cpus": "0"})
+        mark = host.fake.mark()
+        svc = await host.service()
+        a = svc.ledger.allocations["a"]
+        assert (a.whole, a.degraded, svc.ledger.shared) == (CPUSet((1,)), False, CPUSet((0,)))
+        agree(svc, host.fake)
+        slice_a, slice_b = (svc.record(n).unit for n in ("a", "b"))
+        pool = {SHARED, BORROW, *CONFINED}
+        through = False
+        for now in host.fake.timeline[mark[0]:]:
+            for cpu in CPUSet.parse("0-7"):
+                holders = {u for u, cpus in now.items() if cpu in cpus}
+                assert slice_b not in holders or holders == {slice_b}, (cpu, holders)
+                assert slice_a not in holders or holders - {slice_a} <= pool, (cpu, holders)
+            through |= now.get(slice_a) == now.get(SHARED) == CPUSet.parse("0-1")
+        assert through
     asyncio.run(body())
