@@ -35,6 +35,11 @@ def test_get_statistics_reads_the_named_allocations(tmp_path: Path) -> None:
         svc = await host.service()
         await svc.allocate("web", "2", {"bind": True, "memory-nodes": True}, 0)
         manager = Manager(svc, None, None)  # type: ignore[arg-type]
+
+        async def uid_of(sender: str) -> int:  # (no bus to ask whose turn it is)
+            return 0
+
+        manager.uid_of = uid_of  # type: ignore[method-assign]
         manager.statistics.root = tmp_path / "cgroup"
         write_cgroup(manager.statistics.root,
                      "/cpuservice.slice/cpuservice-bound.slice/cpuservice-bound-web.slice",
