@@ -65,7 +65,9 @@ def status_lines(f: Mapping[str, Any], memory_nodes: str) -> list[tuple[str, str
     else:
         lines.append(("Pressure", "unknown (cpu.pressure cannot be read: cgroup v1 or hybrid, "
                       "or the unit is not running)"))
-    if "cpu-throttled-periods" in f and "cpu-periods" in f:
+    if f.get("cpu-periods") == 0:  # the cpu controller counts, but no quota was enforced
+        lines.append(("Throttled", "never (no CPU quota)"))
+    elif "cpu-throttled-periods" in f and "cpu-periods" in f:
         lines.append(("Throttled", f"{f['cpu-throttled-periods']} of {f['cpu-periods']} periods, "
                       f"{cpu_time(int(f.get('cpu-throttled-usec', 0)))}"))
     if "memory-remote-percent" in f:

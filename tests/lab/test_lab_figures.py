@@ -37,7 +37,8 @@ def test_the_kernel_gives_every_figure(figures: dict[str, dict[str, Any]]) -> No
 def test_more_threads_than_cpus_is_pressure_and_pressured(
         figures: dict[str, dict[str, Any]]) -> None:
     pressure, pressured = figures["pressure"], figures["pressured"]
-    assert pressure["seconds"] <= 5 and pressure["total_usec"] > 0, pressure
+    # the kernel updates avg10 every 2 s; each look is one busctl call in the emulated VM
+    assert pressure["seconds"] <= 4 and pressure["total_usec"] > 0, pressure
     assert pressured["health"] == "degraded" and pressured["state"] == "active", pressured
     assert pressured["reason"].startswith("pressured: "), pressured
     assert figures["cleared"]["health"] == "ok", figures["cleared"]
@@ -57,8 +58,10 @@ def test_memory_on_the_other_node_is_remote(figures: dict[str, dict[str, Any]]) 
 def test_top_status_and_metrics_show_them(figures: dict[str, dict[str, Any]]) -> None:
     shown = figures["shown"]
     top = shown["top"]
-    assert top["figbusy"][-1] == "pressured" and top["figquota"][-1] == "throttled", top
-    assert top["figmem"][-1] == "memory-remote", top
+    # (a throttled allocation's runnable task waits too: figquota is pressured as well)
+    assert "pressured" in top["figbusy"][-1].split(","), top
+    assert "throttled" in top["figquota"][-1].split(","), top
+    assert "memory-remote" in top["figmem"][-1].split(","), top
     assert float(top["figbusy"][3]) > 50, top  # %CPU: the second refresh has a rate
     assert shown["status_pressure"] and "unknown" not in shown["status_pressure"][0], shown
     assert all(shown["metrics"].values()), shown["metrics"]

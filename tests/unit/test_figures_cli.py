@@ -78,6 +78,9 @@ def test_status_says_what_is_known_and_what_is_not() -> None:
                                  "1.235s in all)")
     assert lines["Throttled"] == "40 of 100 periods, 2s"
     assert lines["Remote memory"] == "50.0% (12.0K of 24.0K outside nodes 1)"
+    no_quota = dict(ctl_figures.status_lines(f | {"cpu-periods": 0, "cpu-throttled-periods": 0},
+                                             "1"))
+    assert no_quota["Throttled"] == "never (no CPU quota)"
     unknown = dict(ctl_figures.status_lines(
         {"monotonic-usec": 1, "unreadable": ["cpu.pressure", "cpu.stat", "memory.numa_stat"]},
         "0"))
