@@ -67,8 +67,7 @@ run:
 
 # man pages from their scdoc sources in docs/man
 man:
-	mkdir -p build/man
-	for f in docs/man/*.scd; do scdoc < $$f > build/man/$$(basename $$f .scd) || exit 1; done
+	sh scripts/man.sh build/man
 
 bench-service:
 	PYTHONPATH=$(CURDIR) $(PY) bench/service.py
