@@ -39,9 +39,13 @@ test-unit: test-unit-venv test-unit-debian
 test-unit-venv:
 	$(PY) $(PYTEST) tests/unit
 
-# Debian 12's own pydantic 1.10.4 / dbus-fast 1.84.2 / pytest / hypothesis
+# the distribution's own Python, pydantic, dbus-fast, pytest and hypothesis, whatever they are
+# (Debian 12: 3.11, 1.10.4, 1.84.2; Debian 13: 3.13, 2.10.6, 2.44.1); it says which
 test-unit-debian:
-	$(DEBPY) -c 'import pydantic, sys; sys.exit(not pydantic.VERSION.startswith("1."))'
+	@$(DEBPY) -c 'import sys, pydantic, hypothesis; from importlib.metadata import version as v; \
+	    print("==> Debian", open("/etc/debian_version").read().strip(), "Python", \
+	          sys.version.split()[0], "pydantic", pydantic.VERSION, "dbus-fast", v("dbus-fast"), \
+	          "hypothesis", hypothesis.__version__)'
 	PYTHONPATH=$(CURDIR) $(DEBPY) $(PYTEST) tests/unit
 
 test-integration:
