@@ -5,7 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending \
+        bench-lending test-debian12 test-debian13 \
         run man deb
 
 setup:
@@ -91,3 +91,11 @@ bench-lending:
 
 deb:
 	bash scripts/build-deb.sh
+
+# Another Debian release from this machine, in a chroot: lint, both unit tiers, the package
+# with lintian (scripts/test-release.sh); one summary line
+test-debian13:
+	bash scripts/test-release.sh 13
+
+test-debian12:
+	bash scripts/test-release.sh 12
