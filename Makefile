@@ -4,7 +4,7 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
+        test-lab-modern test-lab-containers test-lab-debian13 bench-placement bench-service bench-hotplug bench-irq bench-partition \
         bench-lending test-debian12 test-debian13 \
         run man deb
 
@@ -58,6 +58,10 @@ test-lab:
 # the containers lab alone (Debian 12 with podman: lab.PODMAN)
 test-lab-containers:
 	$(PY) $(PYTEST) tests/lab/test_lab_containers.py
+
+# the Debian 13 lab alone (lab.TRIXIE: the package built on Debian 13, the service on it)
+test-lab-debian13:
+	$(PY) $(PYTEST) tests/lab/test_lab_debian13.py
 
 # the sid lab alone
 test-lab-modern:

@@ -21,14 +21,12 @@ powers off.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -132,7 +130,6 @@ WantedBy=multi-user.target
 """
 RECIPE_VERSION = 3
 BOOT_ALLOWANCE = 300  # seconds from QEMU's start to the first scenario, with room
-_PR_SET_PDEATHSIG = 1
 
 
 class LabError(RuntimeError):
@@ -423,10 +420,12 @@ def _run_once(plan: Mapping[str, Scenario], shape: Shape, files: Sequence[Path],
         workdir = Path(tmp)
         payload = _payload(workdir, plan, files)
         env = {**os.environ, "TMPDIR": str(workdir)}
-        qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir, boot, cpu), env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        # QEMU gets SIGKILL when the thread that started it ends (the test run is over, or
+        # was killed); setpriv sets that in QEMU's process, no Python runs after fork()
+        qemu = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--",
+                                 *_qemu_argv(shape, base, payload, workdir, boot, cpu)],
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
         reason = _watch(qemu, workdir / "scenarios.log", plan, timeout)
         if reason:
             qemu.kill()
@@ -475,11 +474,6 @@ def _watch(qemu: subprocess.Popen[bytes], log_path: Path, plan: Mapping[str, Sce
         if now - began > timeout:
             return f"stopped the VM: the whole run took over {timeout} s"
     return None
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: QEMU gets SIGKILL if the process that started it dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _tail(workdir: Path) -> str:
