@@ -17,10 +17,11 @@ lint:
 	$(PY) -m mypy
 
 # Each tier says when it starts and how long it took (scripts/tier.sh); every tier runs even
-# after another failed, and a table of them (with what failed) closes the run.
+# after another failed, and a table of them (with what failed) closes the run. The VM lab runs
+# beside the others (&: scripts/tiers.sh).
 test:
-	@bash scripts/tiers.sh lint:lint unit-pypi:test-unit-venv unit-debian:test-unit-debian \
-	    integration:test-integration lab:test-lab
+	@bash scripts/tiers.sh '&lab:test-lab' lint:lint unit-pypi:test-unit-venv \
+	    unit-debian:test-unit-debian integration:test-integration
 
 # Random exploration of the property tests (the gate's are derandomized: tests/props.py): a
 # fresh seed each run (or SEED=N to repeat one), EXPLORE_SCALE times the gate's examples.
