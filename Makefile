@@ -4,8 +4,8 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        test-lab-modern test-lab-containers test-lab-debian13 bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending test-debian12 test-debian13 \
+        test-lab-modern test-lab-containers test-lab-debian13 bench-placement bench-service \
+        bench-hotplug bench-irq bench-partition bench-lending bench-bus test-debian12 test-debian13 \
         run man deb
 
 setup:
@@ -93,6 +93,10 @@ bench-irq:
 # VM lab: an owner's cyclictest latency unlent/lent, the borrower's harvest, withdrawal time
 bench-lending:
 	PYTHONPATH=$(CURDIR) $(PY) bench/lending.py
+
+# any local user's bulk reads against the daemon on a private bus (no container; as root)
+bench-bus:
+	PYTHONPATH=$(CURDIR) $(PY) bench/bus.py
 
 deb:
 	bash scripts/build-deb.sh
