@@ -87,7 +87,7 @@ PLANNED = {
     "main_boot": Boot("main", plan.MAIN, debs=lab.BOOKWORM, seconds=280),
     "containers_boot": Boot("containers", plan.CONTAINERS, release=lab.PODMAN, seconds=270),
     "trixie_boot": Boot("trixie", plan.DEBIAN13, release=lab.TRIXIE, debs=lab.TRIXIE,
-                        seconds=180),
+                        seconds=230),
     "modern_boot": Boot("modern", plan.MODERN, release=lab.SID, seconds=95),
     "small_boot": Boot("small", plan.SMALL_SCENARIOS, plan.SMALL, seconds=30),
 }

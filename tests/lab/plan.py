@@ -279,7 +279,8 @@ CONTAINERS: dict[str, Scenario] = {
 
 # Debian 13 (lab.TRIXIE: its own kernel, systemd 257, Python 3.13), the default shape, one boot:
 # the package built on Debian 13 installed, the service enforcing AllowedCPUs, repairing after
-# CPU hotplug, then upgraded, removed and purged (tests/lab/test_lab_debian13.py).
+# CPU hotplug, then upgraded, removed and purged; then scripts/run.sh
+# (tests/lab/test_lab_debian13.py).
 VERSIONS = ("cat /etc/debian_version; uname -r; systemctl --version | head -1; "
             "cat /sys/fs/cgroup/cgroup.controllers; python3 -c 'import sys; "
             "from importlib.metadata import version as v; print(sys.version.split()"
@@ -290,4 +291,7 @@ DEBIAN13: dict[str, Scenario] = {
     "package": Scenario(DEB_INSTALL, 240),
     "repair": Scenario(f"{HOTPLUG} repair", 150, ("package",)),
     "lifecycle": Scenario(DEB_LIFECYCLE, 240, ("package",)),
+    # the README's first command where systemd is PID 1: install.sh from the checkout, the demo
+    "run": Scenario(LIB + 'step 240 "bash scripts/run.sh" bash /payload/scripts/run.sh\n'
+                    'echo "active $(systemctl is-active cpuservice)"\n', 300),
 }

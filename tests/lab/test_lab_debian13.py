@@ -1,7 +1,8 @@
 """Debian 13 (trixie), Debian's stable release: the package built there lintian-clean, installed
 on a Debian 13 guest booting its own kernel, the service enforcing AllowedCPUs and repairing
 after CPU hotplug, then upgraded with an allocation live, removed and purged, without a warning
-from dpkg. One boot of lab.TRIXIE (plan.DEBIAN13); alone: make test-lab-debian13."""
+from dpkg; then the README's first command, scripts/run.sh, as on a Debian 13 host where systemd
+is PID 1. One boot of lab.TRIXIE (plan.DEBIAN13); alone: make test-lab-debian13."""
 
 from __future__ import annotations
 
@@ -68,3 +69,13 @@ def test_upgrade_remove_and_purge_without_a_warning(package: dict[str, dict[str,
     check_upgrade(package["install"], package["upgrade"])
     check_remove(package["remove"])
     check_purge(package["purge"])
+
+
+def test_the_readmes_run_command_installs_and_shows_the_service(trixie_boot: lab.Run) -> None:
+    result = trixie_boot.results["run"]
+    assert result.status == 0, result.output
+    out = result.output
+    assert "Id=cpuservice-bound-demo.slice" in out and "ActiveState=active" in out, out
+    allowed = next(line for line in out.splitlines() if line.startswith("AllowedCPUs="))
+    assert allowed != "AllowedCPUs=", out
+    assert out.rstrip().endswith("active active"), out
