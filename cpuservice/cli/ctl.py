@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cpuservice import __version__
-from cpuservice.cli import ctl_export, ctl_lending, ctl_moves, topoview
+from cpuservice.cli import ctl_export, ctl_lending, ctl_moves, pipe, topoview
 from cpuservice.cli.client import (
     ALLOCATION,
     DEST,
@@ -377,7 +376,9 @@ class Unreachable(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        return asyncio.run(_run(args))
+        status = asyncio.run(_run(args))
+        pipe.flush()
+        return status
     except dbuscall.CallError as exc:
         print(f"cpuservicectl: {explain(exc, not args.no_ask_password)}", file=sys.stderr)
         return exit_code(exc)
@@ -387,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # `cpuservicectl topology | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        pipe.discard()
         return 0
     except (OSError, ConnectionError, EOFError) as exc:
         print(f"cpuservicectl: lost the connection to cpuserviced: {exc}; see: systemctl "
