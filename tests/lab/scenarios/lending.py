@@ -10,9 +10,13 @@ machine) lends them; a borrower (unbound, option borrow, as many CPUs as the mac
 makes the owner busy (two spinning processes in its slice) and watches, every 10 ms, the borrow
 slice's ``cpuset.cpus.effective``, the borrower's cgroup's, each borrower task's
 ``Cpus_allowed_list`` and the CPU it last ran on: from the first instant the withdrawal is seen,
-no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), is released
-while lent, and a new bound allocation takes the same CPUs: the borrower must never be on them
-again.
+no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), and one of
+its threads, pinned to one of its CPUs, spins for a while (issue 37: lending is per core): every
+10 ms the CPU each owner thread that ran since the last look ran on last, and where the
+borrower is; from the withdrawal of that core on, no borrower may be on a core, or its sibling,
+that an owner thread ran on in the previous 50 ms (a sample of the daemon), while the owner's
+other core stays lent. Then the owner is released while lent, and a new bound allocation takes
+the same CPUs: the borrower must never be on them again.
 
 ``bench`` runs one cyclictest (SCHED_OTHER, a low duty cycle: one wake-up every 10 ms per
 thread) on the owner's CPUs, with the borrower running, and measures two windows of it: lent,
@@ -40,12 +44,14 @@ OWNER_CPUS = os.environ.get("CPUSERVICE_LENDING_OWNER", "4")  # bound CPUs, whol
 BORROW = CGROUP / "cpuservice.slice/cpuservice-borrow.slice"
 SPIN = Path("/run/lending-spin")
 WAKE = Path("/run/lending-wake")  # a FIFO: the spinners sleep in open() until it is opened
+PIN = Path("/run/lending-pin")  # the same for the spinner pinned to one CPU
+PIN_WAKE = Path("/run/lending-pin-wake")
 # no CPU time at all while idle (a look every few ms would be a load of its own under TCG):
-# blocked until WAKE is opened for writing, then busy while SPIN exists
-SPINNER = f"""import os
+# blocked until the FIFO is opened for writing, then busy while the flag file exists
+SPINNER = """import os
 while True:
-    os.close(os.open({str(WAKE)!r}, os.O_RDONLY))
-    while os.path.exists({str(SPIN)!r}):
+    os.close(os.open({wake!r}, os.O_RDONLY))
+    while os.path.exists({flag!r}):
         pass
 """
 
@@ -133,12 +139,13 @@ class Lab:
         rows = await self.c.allocations()
         self.cpus = parse(rows["owner"][3])
         self.owner_unit = str(await self.c.prop("Unit", rows["owner"][4], ALLOCATION))
-        SPIN.unlink(missing_ok=True)
-        WAKE.unlink(missing_ok=True)
+        for path in (SPIN, WAKE, PIN, PIN_WAKE):
+            path.unlink(missing_ok=True)
         os.mkfifo(WAKE)
+        os.mkfifo(PIN_WAKE)
         for i in range(2):  # asleep until woken: then each keeps a CPU busy while SPIN is
             run("systemd-run", f"--slice={self.owner_unit}", f"--unit=lend-spin{i}",
-                "python3", "-c", SPINNER)
+                "python3", "-c", SPINNER.format(wake=str(WAKE), flag=str(SPIN)))
         # one integer method: the default cycles through methods whose vector instructions
         # QEMU's software CPU claims but does not implement (SIGILL)
         run("systemd-run", "--slice=cpuservice-borrow-borrower.slice", "--unit=lend-borrower",
@@ -195,12 +202,26 @@ class Lab:
         except OSError as exc:  # ENXIO: no spinner is waiting
             raise SystemExit(f"FAILED STEP: no spinner to wake: {exc}") from None
 
+    def pinned(self, cpu: int) -> None:
+        """One more spinner of the owner, pinned to ``cpu``, asleep until pin() wakes it."""
+        run("systemd-run", f"--slice={self.owner_unit}", "--unit=lend-pinned", "taskset", "-c",
+            str(cpu), "python3", "-c", SPINNER.format(wake=str(PIN_WAKE), flag=str(PIN)))
+
+    def pin(self) -> None:
+        PIN.touch()
+        try:
+            os.close(os.open(PIN_WAKE, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            raise SystemExit(f"FAILED STEP: the pinned spinner is not waiting: {exc}") from None
+
     def idle(self) -> None:
         SPIN.unlink(missing_ok=True)
+        PIN.unlink(missing_ok=True)
 
     def teardown(self) -> None:
         self.idle()
-        for unit in ("lend-spin0", "lend-spin1", "lend-borrower", "lend-cyclictest"):
+        for unit in ("lend-spin0", "lend-spin1", "lend-pinned", "lend-borrower",
+                     "lend-cyclictest"):
             subprocess.run(["systemctl", "stop", unit], capture_output=True)
 
 
@@ -228,11 +249,82 @@ async def ran_on(lab: Lab, seconds: float) -> set[int]:
 # the kernel updates a cgroup's effective CPUs, then its tasks' masks, in one write: a look
 # right after the first may catch the second half-way; what counts is from this long after
 SETTLE = 0.05
+WINDOW = 0.05  # the daemon's sample (lend_sample_ms): "the previous sample window"
+
+
+def runtime(tid: int) -> int | None:
+    """A thread's run time in ns (/proc/TID/schedstat; None: it is gone)."""
+    try:
+        return int(Path(f"/proc/{tid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def core_of(cpu: int) -> set[int]:
+    """``cpu`` and its SMT siblings."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    return parse(path.read_text().strip())
+
+
+async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
+    """Issue 37: the pinned spinner runs on one core of the owner for ``seconds``. Every
+    10 ms: the cores the owner's threads ran on since the last look (the CPU each last ran
+    on, if its run time grew), where the borrower is (its tasks' last CPUs and the borrow
+    slice's effective CPUs), and whether the owner's other cores are lent. From the look that
+    finds the spinner's core withdrawn (and SETTLE after it), a borrower on a core an owner
+    thread ran on in the previous WINDOW is a violation."""
+    owner, own = group_of(lab.owner_unit), group_of("lend-borrower")
+    spinner_core = core_of(min(lab.cpus))
+    others = lab.cpus - spinner_core
+    last: dict[int, int] = {}
+    history: list[tuple[float, set[int]]] = []  # (time, CPUs the owner ran on since the last)
+    violations: list[str] = []
+    withdrawn_at: float | None = None
+    looks = others_lent = 0
+    borrower_on_others: set[int] = set()
+    start = time.monotonic()
+    lab.pin()
+    while (now := time.monotonic()) - start < seconds:
+        ran: set[int] = set()
+        for tid in tasks(owner):
+            seen, before = runtime(tid), last.get(tid)
+            x = task_cpus(tid)
+            if seen is None or x is None:
+                continue
+            last[tid] = seen
+            if before is not None and seen > before:
+                ran |= core_of(x[1])
+        history.append((now, ran))
+        borrow = effective(BORROW)
+        on = {x[1] for tid in tasks(own) if (x := task_cpus(tid)) is not None}
+        if withdrawn_at is None and not borrow & spinner_core:
+            withdrawn_at = now
+        if withdrawn_at is not None and now - withdrawn_at >= SETTLE:
+            looks += 1
+            others_lent += others <= borrow
+            borrower_on_others |= on & others
+            recent = set().union(*(cpus for t, cpus in history[:-1] if now - t <= WINDOW + 0.01))
+            for cpu in sorted(on & recent):
+                violations.append(f"{now - start:.3f}s: a borrower on {cpu}, where the owner "
+                                  f"ran in the previous {WINDOW * 1000:.0f} ms")
+            if borrow & recent:
+                violations.append(f"{now - start:.3f}s: borrow slice has "
+                                  f"{sorted(borrow & recent)}")
+        await asyncio.sleep(0.01)
+    PIN.unlink(missing_ok=True)
+    return {"spinner_core": sorted(spinner_core), "others": sorted(others),
+            "withdrawn_ms": None if withdrawn_at is None else (withdrawn_at - start) * 1000,
+            "owner_ran_on": sorted(set().union(*(c for _, c in history))),
+            "violations": violations[:20], "violation_count": len(violations),
+            "looks": looks, "others_lent_looks": others_lent,
+            "others_lent_at_end": others <= effective(BORROW),
+            "borrower_on_others": sorted(borrower_on_others)}
 
 
 async def check(c: Client) -> None:
     lab = Lab(c)
     await lab.setup()
+    lab.pinned(min(lab.cpus))
     try:
         took = await lab.wait_lent()
         ran = sorted(await ran_on(lab, 2.0) & lab.cpus)  # the borrower spreads onto them
@@ -246,6 +338,9 @@ async def check(c: Client) -> None:
         lab.idle()
         again = await lab.wait_lent()
         result(check="lent-again", seconds=again)
+        result(check="per-core", **await per_core(lab, 5.0))
+        lab.idle()
+        await lab.wait_lent()  # the pinned core is lent again once its thread is idle
         # released while lent; a new owner of the same CPUs: never the borrower's again
         await c.call("Release", "s", ["owner"])
         await c.call("Allocate", "ssa{sv}", ["newowner", str(len(lab.cpus)), {
