@@ -5,7 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending \
+        bench-lending bench-lending-read \
         run man deb
 
 setup:
@@ -85,6 +85,10 @@ bench-irq:
 # VM lab: an owner's cyclictest latency unlent/lent, the borrower's harvest, withdrawal time
 bench-lending:
 	PYTHONPATH=$(CURDIR) $(PY) bench/lending.py
+
+# no VM: what reading a busy owner's threads costs the lending loop, on this machine's /proc
+bench-lending-read:
+	PYTHONPATH=$(CURDIR) $(PY) bench/lending_read.py
 
 deb:
 	bash scripts/build-deb.sh

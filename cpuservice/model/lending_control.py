@@ -82,20 +82,24 @@ def percent(used_us: float, seconds: float) -> float:
 
 
 def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us: int,
-                seconds: float, busy_percent: float, cpus: CPUSet, skipped_us: int = 0
-                ) -> Load:
+                seconds: float, busy_percent: float, cpus: CPUSet, skipped_us: int = 0,
+                gap_us: int = 0) -> Load:
     """The owner's Load over one sample of ``seconds``, from its threads' run times at its
     start (``before``: tid -> ns) and at its end (``after``: tid -> (ns, CPU)), and its
     cgroup's ``used_us`` over the sample. ``skipped_us``: what the cgroup used between
-    ``before`` and the sample's start (samples that read no thread).
+    ``before`` and the sample's start (samples that read no thread). ``gap_us``: what the
+    cgroup's usage grew by while ``before`` was read (it was read before and after the
+    threads): the kernel may account a thread's time (at a tick, a switch) between the
+    readings, so the threads' figures may lead the cgroup's reading before them by that much.
 
     Both ways conservative: a thread's time on its CPU is at most its run time since
     ``before`` (and at most the sample: a thread runs on one CPU at a time), all of it when
     it is new (not in ``before``, or its run time went back: another thread of that id);
     what counts as placed against the cgroup's total is at least its run time since
-    ``before`` less ``skipped_us`` (nothing for a new thread); the rest is unplaced. A thread
-    counts as busy (``busy_percent``) on the same upper bound, when its CPU is one of ``cpus``
-    (the lendable ones) or unknown (negative)."""
+    ``before`` less ``skipped_us`` (nothing for a new thread), and ``gap_us`` once; the rest
+    is unplaced. A thread counts as busy (``busy_percent``) on the same
+    upper bound, when its CPU is one of ``cpus`` (the lendable ones) or unknown
+    (negative)."""
     if seconds <= 0:
         return Load(unplaced=100.0)
     window = seconds * 1e9
@@ -117,7 +121,7 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
             placed[cpu] = placed.get(cpu, 0.0) + share
         if share > busy_percent and (cpu < 0 or cpu in cpus):
             busy += 1
-    unplaced = max(0.0, used_us * 1000.0 - accounted) / window * 100
+    unplaced = max(0.0, (used_us - gap_us) * 1000.0 - accounted) / window * 100
     return Load(placed, unplaced, busy)
 
 

@@ -88,11 +88,13 @@ def switched(topology: Topology, state: State, name: str, lend: bool) -> Change 
 
 @dataclass
 class _Seen:
-    """An owner's threads when they were last read: tid -> run time (ns), when, and what its
-    cgroup used since in samples that read no thread."""
+    """An owner's threads when they were last read: tid -> run time (ns), when, what its
+    cgroup's usage grew by while they were read, and what it used since in samples that
+    read no thread."""
 
     runtimes: dict[int, int]
     at: float
+    gap_us: int = 0
     skipped_us: int = 0
 
 
@@ -257,6 +259,7 @@ class Lending:
         """The owner's Load since its last reading (_FIRST: there was none; None: it cannot
         be read, which counts as busy on every core; logged once until it can be again)."""
         group = await self._group(unit)
+        at = self.clock()
         usage = self.read_usage(group) if group else None
         if usage is None:
             self._groups.pop(unit, None)  # ask again: the unit may have been made again
@@ -271,8 +274,8 @@ class Lending:
         if name in self._unreadable:
             self._unreadable.discard(name)
             log.info("lending: the load of %s can be read again", name)
-        before, self._last[name] = self._last.get(name), (now, usage)
-        seconds = now - before[0] if before else 0.0
+        before, self._last[name] = self._last.get(name), (at, usage)
+        seconds = at - before[0] if before else 0.0
         used = usage - before[1] if before else -1
         if seconds <= 0 or used < 0:  # the first reading, or the cgroup was made again
             self._seen.pop(name, None)
@@ -287,10 +290,13 @@ class Lending:
         if threads is None:  # too many threads (or gone): its total alone, on every core
             self._seen.pop(name, None)
             return Load(unplaced=total)
-        self._seen[name] = _Seen({t: r for t, (r, _) in threads.items()}, now)
+        after = self.read_usage(group)  # the kernel may account time while threads are read
+        gap = max(0, after - usage) if after is not None else 0
+        self._seen[name] = _Seen({t: r for t, (r, _) in threads.items()}, now, gap)
         return lending_control.thread_load(
             seen.runtimes if seen else {}, threads, used, seconds,
-            self.config.lend_busy_percent, cpus, seen.skipped_us if seen else 0)
+            self.config.lend_busy_percent, cpus, seen.skipped_us if seen else 0,
+            seen.gap_us if seen else 0)
 
     async def _group(self, unit: str) -> str:
         """The unit's ControlGroup ('' when it cannot be told)."""

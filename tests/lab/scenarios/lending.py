@@ -260,6 +260,28 @@ def runtime(tid: int) -> int | None:
         return None
 
 
+def last_cpu(tid: int) -> int | None:
+    """The CPU a thread ran on last (/proc/TID/stat field 39; None: it is gone)."""
+    try:
+        return int(Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def thread_files(cgroup: Path) -> list[Path]:
+    """The cgroup.threads files of the cgroup and those below it (found once: a look every
+    10 ms reads only these)."""
+    return list(cgroup.rglob("cgroup.threads"))
+
+
+def threads_of(files: list[Path]) -> list[int]:
+    out: list[int] = []
+    for f in files:
+        with contextlib.suppress(OSError):
+            out += [int(t) for t in f.read_text().split()]
+    return out
+
+
 def core_of(cpu: int) -> set[int]:
     """``cpu`` and its SMT siblings."""
     path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
@@ -272,38 +294,48 @@ async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
     on, if its run time grew), where the borrower is (its tasks' last CPUs and the borrow
     slice's effective CPUs), and whether the owner's other cores are lent. From the look that
     finds the spinner's core withdrawn (and SETTLE after it), a borrower on a core an owner
-    thread ran on in the previous WINDOW is a violation."""
-    owner, own = group_of(lab.owner_unit), group_of("lend-borrower")
+    thread ran on in the previous WINDOW (or since the look before) is a violation."""
+    owner = thread_files(group_of(lab.owner_unit))
+    own = thread_files(group_of("lend-borrower"))
     spinner_core = core_of(min(lab.cpus))
     others = lab.cpus - spinner_core
+    cores = {cpu: core_of(cpu) for cpu in lab.cpus}
     last: dict[int, int] = {}
     history: list[tuple[float, set[int]]] = []  # (time, CPUs the owner ran on since the last)
     violations: list[str] = []
     withdrawn_at: float | None = None
     looks = others_lent = 0
     borrower_on_others: set[int] = set()
+    changes: list[str] = []  # when the other core came and went
+    lent_before = True
+    epoch = time.time()
     start = time.monotonic()
     lab.pin()
     while (now := time.monotonic()) - start < seconds:
         ran: set[int] = set()
-        for tid in tasks(owner):
-            seen, before = runtime(tid), last.get(tid)
-            x = task_cpus(tid)
-            if seen is None or x is None:
+        for tid in threads_of(owner):
+            seen, before, cpu = runtime(tid), last.get(tid), last_cpu(tid)
+            if seen is None or cpu is None:
                 continue
             last[tid] = seen
             if before is not None and seen > before:
-                ran |= core_of(x[1])
+                ran |= cores.get(cpu) or core_of(cpu)
         history.append((now, ran))
         borrow = effective(BORROW)
-        on = {x[1] for tid in tasks(own) if (x := task_cpus(tid)) is not None}
+        on = {cpu for tid in threads_of(own) if (cpu := last_cpu(tid)) is not None}
         if withdrawn_at is None and not borrow & spinner_core:
             withdrawn_at = now
+        if (others <= borrow) != lent_before:
+            lent_before = not lent_before
+            changes.append(f"{now - start:.3f}s: other core {'lent' if lent_before else 'gone'}")
         if withdrawn_at is not None and now - withdrawn_at >= SETTLE:
             looks += 1
             others_lent += others <= borrow
             borrower_on_others |= on & others
-            recent = set().union(*(cpus for t, cpus in history[:-1] if now - t <= WINDOW + 0.01))
+            # the owner's cores in the previous WINDOW, and since the look before (under
+            # TCG a look may take longer than a window)
+            recent = set().union(*(cpus for t, cpus in history if now - t <= WINDOW + 0.01),
+                                 *(cpus for _, cpus in history[-2:]))
             for cpu in sorted(on & recent):
                 violations.append(f"{now - start:.3f}s: a borrower on {cpu}, where the owner "
                                   f"ran in the previous {WINDOW * 1000:.0f} ms")
@@ -312,7 +344,10 @@ async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
                                   f"{sorted(borrow & recent)}")
         await asyncio.sleep(0.01)
     PIN.unlink(missing_ok=True)
+    journal = subprocess.run(["journalctl", "-q", "-o", "cat", "-u", "cpuservice",
+                              f"--since=@{epoch:.0f}"], capture_output=True, text=True).stdout
     return {"spinner_core": sorted(spinner_core), "others": sorted(others),
+            "others_changes": changes[:20], "journal": journal.splitlines()[-20:],
             "withdrawn_ms": None if withdrawn_at is None else (withdrawn_at - start) * 1000,
             "owner_ran_on": sorted(set().union(*(c for _, c in history))),
             "violations": violations[:20], "violation_count": len(violations),
@@ -338,7 +373,7 @@ async def check(c: Client) -> None:
         lab.idle()
         again = await lab.wait_lent()
         result(check="lent-again", seconds=again)
-        result(check="per-core", **await per_core(lab, 5.0))
+        result(check="per-core", **await per_core(lab, 8.0))
         lab.idle()
         await lab.wait_lent()  # the pinned core is lent again once its thread is idle
         # released while lent; a new owner of the same CPUs: never the borrower's again
