@@ -83,18 +83,20 @@ def percent(used_us: float, seconds: float) -> float:
 
 def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us: int,
                 seconds: float, busy_percent: float, cpus: CPUSet, skipped_us: int = 0,
-                gap_us: int = 0) -> Load:
+                gap_us: int = 0, gap_now_us: int = 0) -> Load:
     """The owner's Load over one sample of ``seconds``, from its threads' run times at its
     start (``before``: tid -> ns) and at its end (``after``: tid -> (ns, CPU)), and its
     cgroup's ``used_us`` over the sample. ``skipped_us``: what the cgroup used between
     ``before`` and the sample's start (samples that read no thread). ``gap_us``: what the
     cgroup's usage grew by while ``before`` was read (it was read before and after the
     threads): the kernel may account a thread's time (at a tick, a switch) between the
-    readings, so the threads' figures may lead the cgroup's reading before them by that much.
+    readings, so the threads' figures may lead the cgroup's reading before them by that much;
+    ``gap_now_us``: the same while ``after`` was read.
 
     Both ways conservative: a thread's time on its CPU is at most its run time since
-    ``before`` (and at most the sample: a thread runs on one CPU at a time), all of it when
-    it is new (not in ``before``, or its run time went back: another thread of that id);
+    ``before``, at most the sample (a thread runs on one CPU at a time) and at most what the
+    cgroup used in it (``before`` may be older: samples that read no thread), all of that
+    when it is new (not in ``before``, or its run time went back: another thread of that id);
     what counts as placed against the cgroup's total is at least its run time since
     ``before`` less ``skipped_us`` (nothing for a new thread), and ``gap_us`` once; the rest
     is unplaced. A thread counts as busy (``busy_percent``) on the same
@@ -103,6 +105,7 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
     if seconds <= 0:
         return Load(unplaced=100.0)
     window = seconds * 1e9
+    cap = min(window, (used_us + gap_now_us) * 1000.0)  # what one thread can have run in it
     placed: dict[int, float] = {}
     accounted = 0.0
     busy = 0
@@ -114,7 +117,7 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
                 accounted += max(0.0, delta - skipped_us * 1000.0)
         else:
             delta = runtime
-        share = min(delta, window) / window * 100
+        share = min(delta, cap) / window * 100
         if share <= 0:
             continue
         if cpu >= 0:

@@ -296,7 +296,7 @@ class Lending:
         return lending_control.thread_load(
             seen.runtimes if seen else {}, threads, used, seconds,
             self.config.lend_busy_percent, cpus, seen.skipped_us if seen else 0,
-            seen.gap_us if seen else 0)
+            seen.gap_us if seen else 0, gap)
 
     async def _group(self, unit: str) -> str:
         """The unit's ControlGroup ('' when it cannot be told)."""

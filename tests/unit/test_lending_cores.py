@@ -234,3 +234,21 @@ def test_the_rate_limit_counts_what_is_never_refused() -> None:
     assert rate.count(5) == 12 and rate.count(6) == 0
     with pytest.raises(BusyError):  # the user's own calls share the count
         rate.take(5)
+
+
+def test_a_light_thread_does_not_keep_its_core(tmp_path: Path) -> None:
+    """Found by make bench-lending: cyclictest on a lent core (a wake-up every 10 ms, 2 % of a
+    CPU). An owner idle as a whole has its threads read once a second; the thread's run time
+    since the last reading (a second's worth: 20 ms) was taken as what it may have run in
+    the 50 ms sample (40 %, busy): the core was withdrawn at every reading and never lent
+    again. What a thread ran in the sample is at most what its cgroup used in it."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc, owner = await eight(host)
+        light = min(owner)
+        for _ in range(int(30 / SAMPLE)):
+            await tick(host, svc, threads={"o": {light: 0.02}})
+            if svc.record("o").lent != owner:
+                break
+        assert svc.record("o").lent == owner
+    run(body)
