@@ -97,8 +97,8 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
     ``before``, at most the sample (a thread runs on one CPU at a time) and at most what the
     cgroup used in it (``before`` may be older: samples that read no thread), all of that
     when it is new (not in ``before``, or its run time went back: another thread of that id);
-    what counts as placed against the cgroup's total is at least its run time since
-    ``before`` less ``skipped_us`` (nothing for a new thread), and ``gap_us`` once; the rest
+    what counts as placed against the cgroup's total is at least the known threads' run time
+    since ``before`` less ``skipped_us`` (nothing of a new thread's), and ``gap_us``; the rest
     is unplaced. A thread counts as busy (``busy_percent``) on the same
     upper bound, when its CPU is one of ``cpus`` (the lendable ones) or unknown
     (negative)."""
@@ -114,7 +114,7 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
         if was is not None and runtime >= was:
             delta = runtime - was
             if cpu >= 0:
-                accounted += max(0.0, delta - skipped_us * 1000.0)
+                accounted += delta
         else:
             delta = runtime
         share = min(delta, cap) / window * 100
@@ -124,6 +124,7 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
             placed[cpu] = placed.get(cpu, 0.0) + share
         if share > busy_percent and (cpu < 0 or cpu in cpus):
             busy += 1
+    accounted = max(0.0, accounted - skipped_us * 1000.0)  # what they ran in skipped samples
     unplaced = max(0.0, (used_us - gap_us) * 1000.0 - accounted) / window * 100
     return Load(placed, unplaced, busy)
 

@@ -9,7 +9,7 @@ written (the owner's CPUs come first; a restart that lends them again withdraws 
 samples).
 
 What an owner's load costs to read is bounded: an owner idle as a whole (its cgroup's total
-below lend_idle_percent of one CPU) has its threads read once a second at most, and an owner
+below lend_idle_percent of one CPU) has its threads read 4 times a second at most, and an owner
 with more than cgroup.MAX_THREADS threads is judged on its total alone (every core as loaded
 as the owner is). What lending commits is bounded too: an owner's lends are
 lending_control.DWELL_SECONDS apart at least, and count against its user's
@@ -46,7 +46,7 @@ from cpuservice.shell.ports import cgroup_iface
 
 log = logging.getLogger(__name__)
 FLUSH_SECONDS = 5.0  # how often the metrics hear of lent CPU time while something is lent
-REFRESH_SECONDS = 1.0  # an owner idle as a whole has its threads read this often
+REFRESH_SECONDS = 0.25  # an owner idle as a whole has its threads read this often
 LEND_SHARE = 4  # lends stop once a user made 1/LEND_SHARE of max_changes_per_user_per_minute
 LENT, WITHDRAWN = "lent", "withdrawn"  # the reasons of AllocationChanged
 Threads = Callable[[str, Mapping[int, int]], dict[int, tuple[int, int]] | None]
@@ -282,9 +282,9 @@ class Lending:
             return _FIRST
         total = lending_control.percent(used, seconds)
         seen = self._seen.get(name)
-        if (total < self.config.lend_idle_percent and seen is not None
-                and now - seen.at < REFRESH_SECONDS):
-            seen.skipped_us += used  # idle as a whole: idle on every core
+        idle = total < self.config.lend_idle_percent  # as a whole: then on every core too
+        if idle and seen is not None and now - seen.at < REFRESH_SECONDS:
+            seen.skipped_us += used
             return Load(unplaced=total)
         threads = self.read_threads(group, seen.runtimes if seen else {})
         if threads is None:  # too many threads (or gone): its total alone, on every core
@@ -293,6 +293,8 @@ class Lending:
         after = self.read_usage(group)  # the kernel may account time while threads are read
         gap = max(0, after - usage) if after is not None else 0
         self._seen[name] = _Seen({t: r for t, (r, _) in threads.items()}, now, gap)
+        if idle:  # read only to know them when it gets busy
+            return Load(unplaced=total)
         return lending_control.thread_load(
             seen.runtimes if seen else {}, threads, used, seconds,
             self.config.lend_busy_percent, cpus, seen.skipped_us if seen else 0,

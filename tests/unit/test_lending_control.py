@@ -153,6 +153,14 @@ def test_thread_load_places_each_thread_where_it_ran_last() -> None:
     stale = thread_load({1: 0}, {1: (60 * ms, 1)}, 50_000, 0.05, 20, EIGHT, skipped_us=10_000)
     assert stale.cpus == {1: 100.0}  # up to the sample's length
     assert stale.unplaced == pytest.approx(0.0)  # 60 - 10 = 50 ms accounted for
+    # several threads read long ago: what the cgroup used meanwhile is subtracted from their
+    # sum once (not from each: 3 ms of theirs in the sample, none of it unplaced); and what
+    # one of them may have run in the sample is at most what the cgroup used in it
+    three = thread_load({1: 0, 2: 0, 3: 0}, {1: (20 * ms, 0), 2: (20 * ms, 1),
+                                             3: (20 * ms, 2)}, 3000, 0.05, 20, EIGHT,
+                        skipped_us=57_000)
+    assert three.unplaced == pytest.approx(0.0)
+    assert three.cpus == {0: pytest.approx(6.0), 1: pytest.approx(6.0), 2: pytest.approx(6.0)}
     # a busy thread on a CPU that is not lendable keeps no core
     assert thread_load({1: 0}, {1: (50 * ms, 15)}, 50_000, 0.05, 20, EIGHT).busy_threads == 0
     assert thread_load({}, {}, 1000, 0.0, 20, EIGHT).unplaced == 100.0
