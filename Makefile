@@ -5,7 +5,7 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending bench-lending-read \
+        bench-lending bench-lending-read bench-bus \
         run man deb
 
 setup:
@@ -89,6 +89,10 @@ bench-lending:
 # no VM: what reading a busy owner's threads costs the lending loop, on this machine's /proc
 bench-lending-read:
 	PYTHONPATH=$(CURDIR) $(PY) bench/lending_read.py
+
+# any local user's bulk reads against the daemon on a private bus (no container; as root)
+bench-bus:
+	PYTHONPATH=$(CURDIR) $(PY) bench/bus.py
 
 deb:
 	bash scripts/build-deb.sh

@@ -205,20 +205,33 @@ def _hostile_calls() -> list[tuple[str, str, list[object]]]:
     return calls
 
 
+# the bulk reads anyone may make (issue 37): (member, signature, body, path, interface)
+READS: list[tuple[str, str, list[object], str, str]] = [
+    ("GetManagedObjects", "", [], "/org/cpuservice1", "org.freedesktop.DBus.ObjectManager"),
+    ("GetManagedObjects", "", [], "/", "org.freedesktop.DBus.ObjectManager"),
+    ("GetAll", "s", ["org.cpuservice1.Manager"], "/org/cpuservice1",
+     "org.freedesktop.DBus.Properties"),
+    ("GetAll", "s", ["org.cpuservice1.Allocation"], "/org/cpuservice1/allocation/b0",
+     "org.freedesktop.DBus.Properties"),
+    ("Introspect", "", [], "/org/cpuservice1/allocation", "org.freedesktop.DBus.Introspectable"),
+]
+
+
 async def worst_call(address: str) -> tuple[float, str]:
     bus = await client.connect(address)
     worst, what = 0.0, ""
     try:
-        for member, signature, body in _hostile_calls():
+        calls = [(m, sig, body, client.PATH, client.IFACE) for m, sig, body in _hostile_calls()]
+        for member, signature, body, path, interface in [*calls, *READS]:
             times = []
             for _ in range(3):
                 start = time.perf_counter()
                 with contextlib.suppress(client.CallError):
-                    await client.call(bus, member, signature, body)
+                    await client.call(bus, member, signature, body, path, interface)
                 times.append(time.perf_counter() - start)
             took = statistics.median(times) * 1000
             if took > worst:
-                worst, what = took, f"{member} {str(body)[:60]}"
+                worst, what = took, f"{member} {path} {str(body)[:60]}"
     finally:
         bus.disconnect()
     return worst, what

@@ -29,6 +29,7 @@ from cpuservice.bus.objects import (
     path_of,
     plain_options,
 )
+from cpuservice.bus.reads import Reads, in_turn
 from cpuservice.host.authz import (
     ALLOCATE,
     MANAGE,
@@ -44,6 +45,7 @@ from cpuservice.model.errors import (
     LimitExceeded,
     NoSuchAllocation,
 )
+from cpuservice.shell.engine import Snapshot
 from cpuservice.shell.service import Service
 
 __all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
@@ -62,10 +64,15 @@ class Manager(Callers, ServiceInterface):
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._uids = OrderedDict()
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
+        self.reads = Reads(bus, self)  # GetManagedObjects, GetAll, Introspect: in turn, cached
         service.subscribe(self)
 
     def export_all(self) -> None:
+        """Export the Manager and every allocation, and start answering the bulk reads (the
+        bus's message handler; after capture_sender, which the daemon adds first)."""
+        self.bus.add_message_handler(self.reads.handler)
         self.bus.export(PATH, self)
+        self.reads.exported(PATH, self)
         for name in self.service.ledger.allocations:
             if name not in self.objects:  # an event during startup may have exported it
                 self._export(name)
@@ -74,6 +81,7 @@ class Manager(Callers, ServiceInterface):
         obj = Allocation(self, name)
         self.objects[name] = obj
         self.bus.export(path_of(name), obj)
+        self.reads.exported(path_of(name), obj)
         return obj
 
     # ---- Events ----
@@ -89,6 +97,7 @@ class Manager(Callers, ServiceInterface):
         self.objects.pop(name, None)
         self._values.pop(name, None)
         self.bus.unexport(path_of(name))
+        self.reads.unexported(path_of(name))
         self.AllocationRemoved(name, path_of(name))
         self._object_manager("InterfacesRemoved", "oas",
                              [path_of(name), ["org.cpuservice1.Allocation"]])
@@ -147,17 +156,27 @@ class Manager(Callers, ServiceInterface):
     def count_request(self, method: str, result: str) -> None:
         self.service.count_request(method, result)
 
-    def allocation_values(self, name: str) -> dict[str, Any]:
-        """All properties of an allocation, from the service's current state. Computed once
-        per state (the state and the topology are replaced, never changed, on every change):
-        GetAll and GetManagedObjects read every property of every allocation one at a time."""
-        snap = self.service.snapshot()
+    def snapshot(self) -> Snapshot:
+        return self.service.snapshot()
+
+    def allocation_values(self, name: str, snap: Snapshot | None = None) -> dict[str, Any]:
+        """All properties of an allocation, from the service's current state (or ``snap``).
+        Computed once per state (the state and the topology are replaced, never changed, on
+        every change): GetAll and GetManagedObjects read every allocation's properties."""
+        snap = snap or self.service.snapshot()
         key = (snap.state, snap.topology, snap.partition_report(name))
         cached = self._values.get(name)
         if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
             cached = self._values[name] = (key, views.allocation(snap.topology, snap.state,
                                                                  name, key[2]))
         return cached[1]
+
+    def manager_key(self, snap: Snapshot | None = None) -> tuple[object, ...]:
+        """What the Manager's and the allocations' properties are computed from: the service's
+        state, topology, capabilities and interrupt report (each replaced, never changed) and
+        the kernel's partition reports."""
+        snap = snap or self.service.snapshot()
+        return (snap.state, snap.topology, snap.capabilities, snap.irqs, snap.partition_reports)
 
     @method()
     @boundary
@@ -194,6 +213,7 @@ class Manager(Callers, ServiceInterface):
 
     @method()
     @boundary
+    @in_turn
     async def Plan(self, cpus: "s", options: "a{sv}") -> "a{sv}":
         p = self.service.plan(cpus, plain_options(options))
         quota = NO_QUOTA if p.cpu_quota_usec is None else p.cpu_quota_usec
@@ -209,11 +229,13 @@ class Manager(Callers, ServiceInterface):
 
     @method()
     @boundary
+    @in_turn
     async def Capacity(self, cpus: "s", options: "a{sv}") -> "u":
         return self.service.capacity(cpus, plain_options(options))
 
     @method()
     @boundary
+    @in_turn
     async def ListAllocations(self) -> "a(ssbso)":
         out = []
         for name in sorted(self.service.ledger.allocations):
@@ -224,6 +246,7 @@ class Manager(Callers, ServiceInterface):
 
     @method()
     @boundary
+    @in_turn
     async def GetAllocation(self, name: "s") -> "o":
         if name not in self.service.ledger.allocations:
             raise NoSuchAllocation(f"no allocation named {name!r}")
@@ -266,6 +289,7 @@ class Manager(Callers, ServiceInterface):
 
     @method()
     @boundary
+    @in_turn
     async def ExportNodeResourceTopology(self, node_name: "s") -> "s":
         return json.dumps(self.service.node_resource_topology(node_name))
 

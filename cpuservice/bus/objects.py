@@ -132,10 +132,41 @@ ALLOCATION_SIGNATURES = {
 }
 
 
+class _Sender:
+    """The bus socket as dbus-fast's writer sees it, where a full socket means "wait".
+
+    dbus-fast writes at once when its queue is empty, even while a big message is still half
+    written: the socket is full, ``send`` raises BlockingIOError and dbus-fast drops the
+    connection (the daemon exits, "lost the system bus"). Any caller could bring that about
+    with a large reply followed by any other message. Here ``send`` then reports that nothing
+    was written, and dbus-fast waits for the socket to be writable, as it does after a short
+    write. (python-dbus-next issue 153, inherited by dbus-fast 1.84 and 5.x.)"""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+
+    def send(self, data: Any) -> int:
+        try:
+            return int(self._sock.send(data))
+        except BlockingIOError:
+            return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class Bus(MessageBus):
     """dbus-fast sends InterfacesAdded/InterfacesRemoved itself on export/unexport, from the
     object's own path; the D-Bus specification has them come from the ObjectManager's path
-    (/org/cpuservice1). The Manager sends them, with the values it is handed."""
+    (/org/cpuservice1). The Manager sends them, with the values it is handed. A full socket
+    makes the writer wait instead of dropping the connection (``_Sender``)."""
+
+    async def connect(self) -> "Bus":
+        await super().connect()
+        writer = getattr(self, "_writer", None)
+        if writer is not None and not isinstance(getattr(writer, "sock", None), _Sender):
+            writer.sock = _Sender(writer.sock)
+        return self
 
     def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
         pass

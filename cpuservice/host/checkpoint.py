@@ -17,9 +17,9 @@ from types import MappingProxyType
 from typing import Any
 
 from cpuservice.model import compat
-from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import CheckpointWriteError, CPUServiceError
-from cpuservice.model.pools import Allocation, Fragment, Ledger
+from cpuservice.model.pools import Allocation, Fragment, InvariantError, Ledger, check_invariants
 from cpuservice.model.request import Request, parse_options
 from cpuservice.model.state import Record as Record
 from cpuservice.model.state import State as State
@@ -79,7 +79,22 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
     ledger = Ledger(ledger.online, ledger.reserved, ledger.isolated,
                     int(payload.get("granularity", ledger.granularity)), ledger.min_shared_cpus,
                     MappingProxyType(allocations))
+    _consistent(ledger)
     return State(ledger, records)
+
+
+def _consistent(ledger: Ledger) -> None:
+    """CheckpointError when the allocations contradict each other, whatever the machine is now
+    (a CPU exclusive to two, exclusive and fragment at once, a fragment of more pieces than a
+    CPU has): the invariants on every CPU they hold, nothing reserved and no shared minimum.
+    What the topology or the configuration changed since (CPUs gone, reserved, a larger
+    minimum) is not this file's fault; the startup repair mends it."""
+    held = CPUSet.union_all(a.held for a in ledger.bound.values())
+    try:
+        check_invariants(Ledger(ledger.online | held, EMPTY, ledger.isolated, ledger.granularity,
+                                0, ledger.allocations))
+    except InvariantError as exc:
+        raise CheckpointError(f"allocations in checkpoint contradict each other: {exc}") from None
 
 
 def _checksum(text: str) -> str:

@@ -15,6 +15,7 @@ drop-in's error the drop-in) and the key.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Sequence
@@ -36,6 +37,9 @@ DIRS = (Path("/etc/cpuservice"), Path("/run/cpuservice"), Path("/usr/local/lib/c
 DROPIN_SUFFIXES = (".toml", ".conf")
 PER_REQUEST_ONLY = ("cpuset", "unit")
 _CPU_LIMIT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,3})?%?")
+# the default paths, which the errors about the keys offer as the fix
+STATE_EXAMPLE = "/var/lib/cpuservice/state.json"
+METRICS_EXAMPLE = "/var/lib/prometheus/node-exporter/cpuservice.prom"
 
 
 class ConfigError(ValueError):
@@ -44,7 +48,7 @@ class ConfigError(ValueError):
 
 class Config(compat.StrictModel):
     sysfs_root: StrictStr = "/sys"
-    state_file: StrictStr = "/var/lib/cpuservice/state.json"
+    state_file: StrictStr = STATE_EXAMPLE
     reserved_cpus: StrictStr = ""
     min_shared_cpus: conint(strict=True, ge=1) = 1  # type: ignore[valid-type]
     granularity: Literal[100, 1000] = 100
@@ -56,7 +60,7 @@ class Config(compat.StrictModel):
     lifetime_grace_seconds: conint(strict=True, ge=1, le=86400) = 60  # type: ignore[valid-type]
     max_changes_per_user_per_minute: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=1_000_000) = 600
-    metrics_file: StrictStr = "/var/lib/prometheus/node-exporter/cpuservice.prom"
+    metrics_file: StrictStr = METRICS_EXAMPLE
     max_moves_per_allocation_per_hour: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=3600) = 4
     # lending idle whole cores (option lend, cpuservice.model.lending): the owner's load on
@@ -167,9 +171,13 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source}: max_cpus_per_user: {limit_text!r} is more than every "
                           "online CPU; use \"0\" for no limit")
     if config.metrics_file and not (config.metrics_file.startswith("/")
+                                    and ".." not in Path(config.metrics_file).parts
                                     and config.metrics_file.endswith(".prom")):
         raise ConfigError(f"{source}: metrics_file: {config.metrics_file!r} is not an absolute "
-                          "path ending in .prom (the node exporter reads *.prom), nor \"\" (off)")
+                          "path (without ..) ending in .prom (the node exporter reads *.prom), "
+                          "nor \"\" (off)")
+    if config.metrics_file:
+        _check_harmless("metrics_file", config.metrics_file, source, METRICS_EXAMPLE)
     if config.lend_idle_percent >= config.lend_busy_percent:
         raise ConfigError(f"{source}: lend_idle_percent: {config.lend_idle_percent} must be "
                           f"below lend_busy_percent ({config.lend_busy_percent}): between them "
@@ -187,6 +195,26 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
 # temporary directories: cleaned behind the daemon's back, private to the unit (PrivateTmp), or
 # writable by every user; the checkpoint must survive and be the daemon's alone
 VOLATILE_DIRS = (Path("/tmp"), Path("/var/tmp"), Path("/dev/shm"))
+# where a file the daemon writes can harm the host: its configuration (/etc/cron.d,
+# /etc/sudoers.d, ...), programs and libraries (/usr; /bin, /sbin and /lib* where they are not
+# links into /usr), boot files, the kernel's interfaces and devices. The keys whose paths the
+# daemon writes (state_file, with the files it keeps beside it, and metrics_file) are refused
+# there, as they are written or as their links resolve; sysfs_root is only read.
+SYSTEM_DIRS = tuple(Path(p) for p in ("/etc", "/usr", "/boot", "/proc", "/sys", "/dev", "/bin",
+                                      "/sbin", "/lib", "/lib32", "/lib64", "/libx32"))
+
+
+def _check_harmless(key: str, text: str, source: str, example: str) -> None:
+    """A ConfigError when the absolute path ``text`` lies in SYSTEM_DIRS, as written or once
+    its links are resolved (a link can lead from /var/lib into /etc)."""
+    path = Path(text)
+    for where in (path, Path(os.path.realpath(path))):
+        system = next((d for d in SYSTEM_DIRS if where.is_relative_to(d)), None)
+        if system is not None:
+            via = "" if where == path else f" (its links lead to {where})"
+            raise ConfigError(f"{source}: {key}: {text!r} is under {system}{via}, where a file "
+                              f"the daemon writes can harm the host; use a path under /var/lib "
+                              f"(e.g. {example})")
 
 
 def _check_state_file(text: str, source: str) -> None:
@@ -195,10 +223,11 @@ def _check_state_file(text: str, source: str) -> None:
     path = Path(text)
     where = f"{source}: state_file: {text!r}"
     if not path.is_absolute() or ".." in path.parts:
-        raise ConfigError(f"{where} is not an absolute path (e.g. /var/lib/cpuservice/state.json)")
+        raise ConfigError(f"{where} is not an absolute path (e.g. {STATE_EXAMPLE})")
     if any(path.is_relative_to(t) for t in VOLATILE_DIRS):
         raise ConfigError(f"{where} is under a temporary directory, which is cleaned and private "
-                          "to the service; use /var/lib/cpuservice/state.json")
+                          f"to the service; use {STATE_EXAMPLE}")
+    _check_harmless("state_file", text, source, STATE_EXAMPLE)
     if path.is_dir():
         raise ConfigError(f"{where} is a directory; name a file in it (e.g. {path}/state.json)")
     if path.parent.exists() and not path.parent.is_dir():

@@ -9,14 +9,15 @@ What is published (consumers read only zones of type Node, named node-<N>, and p
 
 - a zone ``node-N`` (type Node) per NUMA node, with costs to every node zone (the kernel's node
   distances; 10/20 where unread) and resources ``cpu`` (capacity: its online CPUs; allocatable:
-  less the reserved ones; available: the whole CPUs a bound allocation could still take there,
-  within what the shared pool may still give), ``memory`` (MemTotal of its meminfo, when read:
-  cpuservice hands out no memory, so all three are that) and ``cpuservice.io/fragment-pieces``
-  (capacity and allocatable: the pieces of its fragment CPUs; available: those still free);
-  attributes name its CPU sets (cpus, shared, reserved, isolated, exclusive, fragment) and
-  memory nodes;
+  less the reserved ones; available: the whole CPUs bound allocations could still take there,
+  with its part of what the shared pool may still give: _budget_shares), ``memory`` (MemTotal
+  of its meminfo, when read: cpuservice hands out no memory, so all three are that) and
+  ``cpuservice.io/fragment-pieces`` (capacity and allocatable: the pieces of its fragment CPUs;
+  available: those still free); attributes name its CPU sets (cpus, shared, reserved,
+  isolated, exclusive, fragment) and memory nodes;
 - a zone per L3 group (type L3Cache, ``parent`` its node; a group split by NUMA nodes, as with
-  sub-NUMA clustering, is one zone per node: ``l3-K-node-N``) with its ``cpu`` and its CPUs;
+  sub-NUMA clustering, is one zone per node: ``l3-K-node-N``) with its ``cpu`` (its available
+  CPUs: its part of its node's, so that the L3 zones of a node add up to it) and its CPUs;
 - top-level attributes: the policy a request gets unless it asks otherwise (the configured
   ``numa-alignment`` default as ``topologyManagerPolicy``; scope ``container``: each allocation
   is aligned on its own), ``topologyManagerMaxNUMANodes``, whether that default aligns CPUs and
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from cpuservice.model.alignment import misalignment
 from cpuservice.model.cpuset import CPUSet
@@ -42,6 +43,7 @@ PREFIX = "cpuservice.io/"
 NODE_ZONE = "Node"
 L3_ZONE = "L3Cache"
 SCOPE = "container"
+_K = TypeVar("_K")
 _NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 # the deprecated topologyPolicies list (still read as a fallback), for scope container
 _LEGACY = {NumaAlignment.NONE: "None", NumaAlignment.BEST_EFFORT: "BestEffortContainerLevel",
@@ -75,12 +77,40 @@ def _resource(name: str, capacity: object, allocatable: object, available: objec
             "available": str(available)}
 
 
-def _cpu(ledger: Ledger, cpus: CPUSet) -> dict[str, str]:
-    """``cpu`` of a zone: whole CPUs bindable there are its free isolated ones plus its shared,
-    unreserved ones as far as the shared pool may still shrink (as capacity() counts them)."""
-    free = len(ledger.free_isolated & cpus) + min(len((ledger.shared - ledger.reserved) & cpus),
-                                                 ledger.shared_budget)
+def _cpu(ledger: Ledger, cpus: CPUSet, share: int) -> dict[str, str]:
+    """``cpu`` of a zone: the whole CPUs bindable there are its free isolated ones plus
+    ``share`` of its shared, unreserved ones (its part of the shared pool's budget)."""
+    free = len(ledger.free_isolated & cpus) + share
     return _resource("cpu", len(cpus), len(cpus - ledger.reserved), free)
+
+
+def _bindable_shared(ledger: Ledger, cpus: CPUSet) -> int:
+    return len((ledger.shared - ledger.reserved) & cpus)
+
+
+def _budget_shares(budget: int, counts: dict[_K, int]) -> dict[_K, int]:
+    """Split ``budget`` (how many CPUs may still leave the shared pool) among zones holding
+    ``counts`` shared, unreserved CPUs each.
+
+    Consumers of NRT treat zones as additive: a scheduler that places a pod on one zone takes
+    it off that zone's ``available`` and still believes the others. So the zones may not each
+    claim the whole budget (on 16 shared CPUs and min_shared_cpus 1, two nodes of 8 would
+    promise 16 CPUs where 15 can be bound). The rule: the zones get min(budget, their total)
+    in proportion to their counts, rounded down, and the CPUs left by rounding go one each to
+    the largest remainders (ties: the first zone). So the shares add up to exactly what can
+    be bound together (with the free isolated CPUs, what ``capacity`` counts for single bound
+    CPUs), and no share exceeds its zone's count or the budget: each zone's ``available`` is
+    bindable alone, and all of them at once."""
+    total = sum(counts.values())
+    spend = min(budget, total)
+    if not spend:
+        return dict.fromkeys(counts, 0)
+    shares = {k: spend * n // total for k, n in counts.items()}
+    left = spend - sum(shares.values())
+    by_remainder = sorted(counts, key=lambda k: -(spend * counts[k] % total))  # stable
+    for k in by_remainder[:left]:
+        shares[k] += 1
+    return shares
 
 
 def _node_ids(topology: Topology) -> list[int]:
@@ -89,12 +119,19 @@ def _node_ids(topology: Topology) -> list[int]:
                   | topology.memory_only_nodes.ids)
 
 
-def _node_zone(topology: Topology, ledger: Ledger, node: int, nodes: list[int]
-               ) -> dict[str, Any]:
-    cpus = CPUSet(c for c in topology.online if topology.node_of(c) == node)
+def _node_cpus(topology: Topology, nodes: list[int]) -> dict[int, CPUSet]:
+    """The online CPUs of each node."""
+    by_node: dict[int, set[int]] = {n: set() for n in nodes}
+    for c in topology.online:
+        by_node[topology.node_of(c)].add(c)
+    return {n: CPUSet(cpus) for n, cpus in by_node.items()}
+
+
+def _node_zone(topology: Topology, ledger: Ledger, node: int, nodes: list[int], cpus: CPUSet,
+               share: int) -> dict[str, Any]:
     g = ledger.granularity
     fragment = ledger.fragment & cpus
-    resources = [_cpu(ledger, cpus)]
+    resources = [_cpu(ledger, cpus, share)]
     kb = topology.node_memory_kb.get(node)
     if kb is not None:
         memory = f"{kb}Ki" if kb else "0"
@@ -119,19 +156,27 @@ def _node_zone(topology: Topology, ledger: Ledger, node: int, nodes: list[int]
     }
 
 
-def _l3_zones(topology: Topology, ledger: Ledger) -> list[dict[str, Any]]:
-    zones = []
+def _l3_zones(topology: Topology, ledger: Ledger, node_shares: dict[int, int]
+              ) -> list[dict[str, Any]]:
+    """The L3 zones; each node's share of the budget is split among its L3 zones as the budget
+    is among the nodes (_budget_shares), so they add up to their node's ``available``."""
+    parts: list[tuple[str, int, CPUSet]] = []
     for group, cpus in topology.l3_groups.items():
         by_node: dict[int, set[int]] = {}
         for c in cpus:
             by_node.setdefault(topology.node_of(c), set()).add(c)
         for node, part in sorted(by_node.items()):
             name = f"l3-{group}" if len(by_node) == 1 else f"l3-{group}-node-{node}"
-            mine = CPUSet(part)
-            zones.append({"name": name, "type": L3_ZONE, "parent": f"node-{node}",
-                          "attributes": _attrs([(f"{PREFIX}cpus", mine.format())]),
-                          "resources": [_cpu(ledger, mine)]})
-    return zones
+            parts.append((name, node, CPUSet(part)))
+    shares: dict[int, int] = {}
+    for node, node_share in node_shares.items():
+        mine = {i: _bindable_shared(ledger, cpus)
+                for i, (_, n, cpus) in enumerate(parts) if n == node}
+        shares.update(_budget_shares(node_share, mine))
+    return [{"name": name, "type": L3_ZONE, "parent": f"node-{node}",
+             "attributes": _attrs([(f"{PREFIX}cpus", cpus.format())]),
+             "resources": [_cpu(ledger, cpus, shares.get(i, 0))]}
+            for i, (name, node, cpus) in enumerate(parts)]
 
 
 def export(topology: Topology, ledger: Ledger, name: str, generation: int,
@@ -142,6 +187,9 @@ def export(topology: Topology, ledger: Ledger, name: str, generation: int,
     defaults = defaults or parse_options({})
     policy = defaults.numa_alignment
     nodes = _node_ids(topology)
+    node_cpus = _node_cpus(topology, nodes)
+    shares = _budget_shares(ledger.shared_budget,
+                            {n: _bindable_shared(ledger, cpus) for n, cpus in node_cpus.items()})
     bound = [a for a in ledger.bound.values()]
     aligned = sum(1 for a in bound if not misalignment(topology, a))
     together = policy == NumaAlignment.SINGLE_NUMA_NODE and defaults.memory_nodes
@@ -150,8 +198,9 @@ def export(topology: Topology, ledger: Ledger, name: str, generation: int,
         "kind": KIND,
         "metadata": {"name": name},
         "topologyPolicies": [_LEGACY[policy]],
-        "zones": [*(_node_zone(topology, ledger, n, nodes) for n in nodes),
-                  *_l3_zones(topology, ledger)],
+        "zones": [*(_node_zone(topology, ledger, n, nodes, node_cpus[n], shares[n])
+                    for n in nodes),
+                  *_l3_zones(topology, ledger, shares)],
         "attributes": _attrs([
             ("topologyManagerPolicy", policy.value),
             ("topologyManagerScope", SCOPE),

@@ -103,6 +103,11 @@ class Topology:
     node_distances: Mapping[int, Mapping[int, int]] = field(default_factory=dict, compare=False)
 
     @cached_property
+    def _node_sets(self) -> dict[CPUSet, CPUSet]:
+        """node_set's answers so far (a value's memo: the topology never changes)."""
+        return {}
+
+    @cached_property
     def all(self) -> CPUSet:
         return CPUSet(self.cpus)
 
@@ -234,6 +239,16 @@ class Topology:
         """The memory nodes for the given CPUs: their NUMA nodes, where a node without memory
         (or a pseudo node) stands for its nearest memory nodes. Only nodes that exist and have
         memory (when that is known)."""
+        if isinstance(cpus, CPUSet):  # the shared pool, asked once per unbound allocation
+            known = self._node_sets.get(cpus)
+            if known is None:
+                if len(self._node_sets) >= 1024:
+                    self._node_sets.clear()
+                known = self._node_sets[cpus] = self._nodes_of(cpus)
+            return known
+        return self._nodes_of(cpus)
+
+    def _nodes_of(self, cpus: Iterable[int]) -> CPUSet:
         out: set[int] = set()
         for node in {self.cpus[c].node for c in cpus if c in self.cpus}:
             out |= self.memory_of.get(node, CPUSet([node])).ids

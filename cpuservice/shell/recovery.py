@@ -42,36 +42,19 @@ async def start(engine: Engine) -> None:
     began = time.monotonic()
     async with engine.lock:
         base = empty_ledger(engine.config, engine.topology)
+        state, source = await recorded(engine, base)
         try:
-            payload = engine.store.load()
-        except CheckpointError as exc:
+            steps, events, new, changes = await derive(engine, state)
+        except InvariantError as exc:
+            if source != "checkpoint":
+                raise  # rebuilt from the units, which from_units keeps consistent: a bug
+            # the checkpoint read well, but what the repair made of it breaks the invariants:
+            # the file is at fault, as a corrupt one would be
             aside = engine.store.set_aside()
-            log.error("%s; kept it as %s and rebuilt the state from systemd's units", exc, aside)
-            payload = None
-        source = "checkpoint"
-        if payload is not None:
-            state = from_payload(payload, base)
-        else:
-            source = "units"  # no checkpoint (lost, or never written): our slices say what runs
-            state = await from_units(engine.systemd, base)
-            if state.ledger.allocations:
-                log.warning("no checkpoint: rebuilt %d allocation(s) from their slices",
-                            len(state.ledger.allocations))
-        if state.ledger.granularity != base.granularity:
-            log.warning("checkpoint uses granularity %d, config says %d: keeping %d until "
-                        "every allocation is released", state.ledger.granularity,
-                        base.granularity, state.ledger.granularity)
-        gone = await vanished(engine.systemd, state)
-        ended_now = [n for n in await ended(engine.systemd, state)
-                     if own_slice(state.records[n])]
-        events = [journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason)
-                  for names, reason in ((gone, "its unit is gone"), (ended_now, "its unit ended"))
-                  for name in names]
-        steps = forget(state, gone)
-        state = without(state, gone + ended_now)
-        ledger, changes = repair(engine.topology, state.ledger)
-        new = State(ledger, state.records)
-        check_invariants(ledger)
+            log.error("the checkpoint's allocations break the ledger's invariants (%s); kept it "
+                      "as %s and rebuilt the state from systemd's units", exc, aside)
+            state, source = await from_units(engine.systemd, base), "units"
+            steps, events, new, changes = await derive(engine, state)
         mark_confinement(engine)  # before systemd confines anything: a crash cannot hide it
         # serve even when the state cannot be written: what this start derived (repair,
         # releases of vanished units) follows from the checkpoint and systemd again at the next
@@ -90,6 +73,49 @@ async def start(engine: Engine) -> None:
                 await release(engine, name, "its unit ended")
             except CPUServiceError as exc:
                 log.error("cannot release %s, whose unit ended: %s", name, exc)
+
+
+async def recorded(engine: Engine, base: Ledger) -> tuple[State, str]:
+    """The state as recorded, and where from: the checkpoint, or when there is none or it is
+    bad (unreadable, failing its checksum, allocations that contradict each other: set aside
+    as state.json.corrupt-TIME), the Descriptions of our slices."""
+    try:
+        payload = engine.store.load()
+        if payload is not None:
+            state = from_payload(payload, base)
+            if state.ledger.granularity != base.granularity:
+                log.warning("checkpoint uses granularity %d, config says %d: keeping %d until "
+                            "every allocation is released", state.ledger.granularity,
+                            base.granularity, state.ledger.granularity)
+            return state, "checkpoint"
+    except CheckpointError as exc:
+        aside = engine.store.set_aside()
+        log.error("%s; kept it as %s and rebuilt the state from systemd's units", exc, aside)
+    # no checkpoint (lost, never written, or set aside): our slices say what runs
+    state = await from_units(engine.systemd, base)
+    if state.ledger.allocations:
+        log.warning("no checkpoint: rebuilt %d allocation(s) from their slices",
+                    len(state.ledger.allocations))
+    return state, "units"
+
+
+async def derive(engine: Engine, state: State
+                 ) -> tuple[tuple[Op, ...], list[journal.Event], State, list[Repaired]]:
+    """What the recorded ``state`` becomes on this machine now: foreign units gone and
+    lifetime=unit allocations ended are released (the steps that forget them, their journal
+    events), the rest repaired onto the topology (InvariantError when that breaks the
+    ledger's invariants). Reads systemd, changes nothing."""
+    gone = await vanished(engine.systemd, state)
+    ended_now = [n for n in await ended(engine.systemd, state)
+                 if own_slice(state.records[n])]
+    events = [journal.event(journal.Kind.RELEASED, engine.topology, state, name, reason)
+              for names, reason in ((gone, "its unit is gone"), (ended_now, "its unit ended"))
+              for name in names]
+    steps = forget(state, gone)
+    state = without(state, gone + ended_now)
+    ledger, changes = repair(engine.topology, state.ledger)
+    check_invariants(ledger)
+    return steps, events, State(ledger, state.records), changes
 
 
 def restored(topology: Topology, state: State, changes: list[Repaired],

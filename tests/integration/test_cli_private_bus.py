@@ -63,7 +63,7 @@ class PrivateService:
             await service.start()
             manager.export_all()
             await bus.request_name(BUS_NAME)
-            self.bus = bus
+            self.bus, self.manager = bus, manager
 
         def thread() -> None:
             asyncio.set_event_loop(self.loop)

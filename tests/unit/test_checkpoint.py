@@ -7,6 +7,7 @@ import pytest
 
 from cpuservice import placement
 from cpuservice.host.checkpoint import CheckpointError, Record, State, Store, from_payload
+from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.request import Request
 
 from .helpers import bind, ledger_for
@@ -68,6 +69,36 @@ def test_damage_is_detected_and_set_aside(tmp_path: Path, machine, damage: str) 
         store.load()
     aside = store.set_aside()
     assert aside.read_text() == broken and not store.path.exists()
+
+
+def test_allocations_that_contradict_each_other_are_a_checkpoint_error(machine) -> None:
+    """Issue 37: a CPU exclusive to two allocations (or a fragment of more pieces than a CPU
+    has) in a checkpoint that reads well is a CheckpointError (startup sets the file aside, as
+    a corrupt one); what the machine or the configuration changed since is not: CPUs gone or
+    reserved now, a larger shared minimum load, for the startup repair to mend."""
+    import dataclasses
+
+    state = _state(machine)
+    payload = {"allocations": [
+        {"name": n, "cpus": str(a.request.cpus), "options": {"bind": a.bound},
+         "whole": a.whole.format(),
+         "fragment": [a.fragment.cpu, a.fragment.pieces] if a.fragment else None,
+         "degraded": False, "owner": 0, "unit": "", "saved": {}, "populated": False}
+        for n, a in state.ledger.allocations.items()], "granularity": 100}
+    a = state.ledger.allocations["a"]
+    held = a.held.sorted()
+    changed = dataclasses.replace(ledger_for(machine("b")), min_shared_cpus=15,
+                                  online=ledger_for(machine("b")).online - CPUSet(held[:1]),
+                                  reserved=CPUSet(held[1:2]))
+    assert from_payload(payload, changed).ledger.allocations["a"].held == a.held
+    twice = {**payload["allocations"][0], "name": "twice", "fragment": None}
+    with pytest.raises(CheckpointError, match="exclusive to both 'a' and 'twice'"):
+        from_payload({**payload, "allocations": [*payload["allocations"], twice]},
+                     ledger_for(machine("b")))
+    big = [{**row, "fragment": [row["fragment"][0], 150]} if row["fragment"] else row
+           for row in payload["allocations"]]
+    with pytest.raises(CheckpointError, match="150 pieces"):
+        from_payload({**payload, "allocations": big}, ledger_for(machine("b")))
 
 
 def _grow(machine, state: State, name: str, cpus: str) -> State:  # type: ignore[no-untyped-def]

@@ -118,6 +118,39 @@ def test_metrics_file_must_be_a_prom_path(tmp_path: Path, value: object) -> None
         config.validate({"metrics_file": value})
 
 
+HARMFUL = ["/etc/cron.d/cpuservice", "/usr/lib/cpuservice/x", "/boot/x", "/proc/sys/x",
+           "/sys/kernel/x", "/dev/x", "/sbin/x", "/lib/x"]
+
+
+@pytest.mark.parametrize("place", HARMFUL)
+@pytest.mark.parametrize("key", ["metrics_file", "state_file"])
+def test_a_path_where_a_write_harms_the_host_is_refused(key: str, place: str) -> None:
+    """Issue 37: metrics_file could point into /etc/cron.d and the daemon wrote it; so could
+    state_file (and the files it keeps beside it). Refused under the system's directories,
+    in one line naming the key, the directory and a path that works."""
+    value = f"{place}.prom" if key == "metrics_file" else place
+    with pytest.raises(config.ConfigError) as caught:
+        config.validate({key: value})
+    text = str(caught.value)
+    top = "/" + place.split("/")[1]
+    assert text == (f"config: {key}: {value!r} is under {top}, where a file the daemon writes "
+                    f"can harm the host; use a path under /var/lib (e.g. "
+                    f"{getattr(config.Config(), key)})")
+    assert Path(top) in config.SYSTEM_DIRS and "\n" not in text
+
+
+@pytest.mark.parametrize("key", ["metrics_file", "state_file"])
+def test_a_link_into_the_system_is_refused_too(tmp_path: Path, key: str) -> None:
+    (tmp_path / "lib").symlink_to("/etc")
+    value = str(tmp_path / "lib" / "cron.d" / "cpuservice.prom")
+    with pytest.raises(config.ConfigError, match=rf"^config: {key}: .* is under /etc \(its "
+                       r"links lead to /etc/cron.d/cpuservice.prom\), where a file"):
+        config.validate({key: value})
+    with pytest.raises(config.ConfigError, match=r"metrics_file: .* \(without \.\.\)"):
+        config.validate({"metrics_file": "/var/lib/../../etc/cron.d/x.prom"})
+    assert config.validate({key: str(tmp_path / "var" / "cpuservice.prom")})
+
+
 def test_metrics_file_can_be_turned_off() -> None:
     assert config.validate({"metrics_file": ""}).metrics_file == ""
     assert config.validate({}).metrics_file.endswith("/node-exporter/cpuservice.prom")

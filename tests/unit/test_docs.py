@@ -150,3 +150,121 @@ def test_every_option_is_completed_and_documented() -> None:
         if spec.vocabulary is not None:
             branch = re.search(rf"{flag}\)[^;]*-W \"([^\"]*)\"", completion)
             assert branch and branch.group(1).split() == list(choices(spec.vocabulary)), flag
+
+
+XML = ROOT / "dbus/org.cpuservice1.xml"
+Members = dict[str, set[tuple[str, str, tuple[str, ...]]]]
+
+
+def xml_members() -> Members:
+    """interface -> (kind, name, arguments as the man page writes them) of the shipped XML:
+    a method's "in  s name", a signal's "s name", a property's type."""
+    import xml.etree.ElementTree as ET
+    out: Members = {}
+    for iface in ET.parse(XML).iter("interface"):
+        found = out.setdefault(iface.get("name", ""), set())
+        for m in iface.iter("method"):
+            found.add(("method", m.get("name", ""), tuple(
+                f"{a.get('direction', 'in'):<3} {a.get('type')} {a.get('name')}"
+                for a in m.iter("arg"))))
+        for s in iface.iter("signal"):
+            found.add(("signal", s.get("name", ""), tuple(
+                f"{a.get('type')} {a.get('name')}" for a in s.iter("arg"))))
+        for p in iface.iter("property"):
+            found.add(("property", p.get("name", ""), (p.get("type", ""),)))
+    return out
+
+
+def page_members(text: str) -> Members:
+    """The same from the interface blocks of org.cpuservice1(5): "methods:", "signals:" and
+    "properties:" lists, one member (or one type's properties) per statement."""
+    out: Members = {}
+    for block in re.finditer(r"interface ([\w.]+) \{(.*?)\};", text, re.S):
+        found = out.setdefault(block[1], set())
+        sections = re.split(r"\s(methods|signals|properties):", block[2])
+        for kind, body in zip(sections[1::2], sections[2::2], strict=True):
+            for statement in (s.strip() for s in " ".join(body.split()).split(";")):
+                if not statement:
+                    continue
+                if kind == "properties":
+                    _, type_, names = statement.split(" ", 2)
+                    found.update(("property", n.strip(), (type_,)) for n in names.split(","))
+                    continue
+                call = re.fullmatch(r"(\w+)\((.*)\)", statement)
+                assert call, statement
+                args = tuple(" ".join(a.split()) for a in call[2].split(",") if a.strip())
+                if kind == "methods":  # "in  s name": the direction padded to 3
+                    args = tuple(f"{a.split()[0]:<3} {' '.join(a.split()[1:])}" for a in args)
+                found.add((kind[:-1], call[1], args))
+    return out
+
+
+def test_the_api_page_lists_every_member_of_the_interface() -> None:
+    """Issue 37: org.cpuservice1(5)'s Manager block lacked SetMovable, Defragment and
+    AllocationMoved. Its interface blocks list exactly the methods (with their arguments),
+    signals and properties (with their types) of dbus/org.cpuservice1.xml, and the text says
+    what each method and signal does."""
+    text = page("org.cpuservice1.5")
+    documented, shipped = page_members(text), xml_members()
+    ours = {i: m for i, m in shipped.items() if i.startswith("org.cpuservice1.")}
+    for iface, members in ours.items():
+        got = documented.get(iface, set())
+        assert (sorted(members - got), sorted(got - members)) == ([], []), iface
+    assert set(documented) == set(shipped)  # ObjectManager's block says "..."
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    for iface, found in ours.items():
+        for kind, name, _ in found:
+            if kind != "property":
+                assert f"*{name}*" in prose, (iface, name)
+
+
+def test_watch_names_every_signal() -> None:
+    """Issue 37: cpuservicectl(1) did not list AllocationMoved under watch, which prints every
+    signal of the service's interfaces."""
+    text = page("cpuservicectl.1")
+    watch = text[text.index("\n*watch*\n"):]
+    watch = watch[:watch.index("\n\n")]
+    for iface, found in xml_members().items():
+        for kind, name, _ in found:
+            if kind == "signal" and iface.startswith("org.cpuservice1."):
+                assert name in watch, name
+
+
+def test_limit_exceeded_names_every_per_user_limit() -> None:
+    """Issue 37: the ERRORS section and the XML header said LimitExceeded answers the
+    allocation and CPU limits, not the change rate: every per-user key of the configuration
+    answers with it. The XML header names every error too."""
+    from cpuservice.model import compat, config, errors
+    keys = [k for k in compat.dump(config.Config()) if "per_user" in k]
+    assert sorted(keys) == ["max_allocations_per_user", "max_changes_per_user_per_minute",
+                            "max_cpus_per_user"]
+    text = page("org.cpuservice1.5")
+    entry = text[text.index("*org.cpuservice1.Error.LimitExceeded*"):]
+    entry = entry[:entry.index("\n\n")]
+    header = XML.read_text().split("-->")[0]
+    limit = header[header.index(".LimitExceeded"):]
+    limit = " ".join(limit[:limit.index(")")].split())
+    for key in keys:
+        assert key in entry, key
+        assert key in limit, key
+    for c in vars(errors).values():
+        if isinstance(c, type) and issubclass(c, errors.CPUServiceError) and c.dbus_name:
+            short = c.dbus_name.rsplit(".", 1)[1]
+            assert f".{short}" in header, short
+    assert "Error.AccessDenied" in header
+
+
+def test_the_config_page_names_every_system_directory() -> None:
+    """The directories where state_file and metrics_file are refused (config.SYSTEM_DIRS, their
+    one home) are those cpuservice.toml(5) lists, and the shipped file's comments warn."""
+    from cpuservice.model import config
+    text = page("cpuservice.toml.5")
+    section = text[text.index("# PATHS THE DAEMON WRITES"):]
+    section = section[:section.index("\n# ", 1)]
+    listed = re.findall(r"(?<![\w/.])(/[a-z0-9]+)(?=[ ,\n])", section.split("are refused")[1]
+                        .split("as written")[0])
+    assert sorted(listed) == sorted(str(d) for d in config.SYSTEM_DIRS)
+    shipped = (ROOT / "systemd/cpuservice.toml").read_text()
+    for key in ("state_file", "metrics_file"):
+        comment = shipped[:shipped.index(f"#{key} =")].rsplit("\n\n", 1)[1]
+        assert "/etc, /usr, /boot, /proc, /sys, /dev" in comment, key

@@ -121,9 +121,9 @@ def test_golden(name: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cpu_counts_reserved_isolated_and_the_shared_minimum() -> None:
-    """available: the whole CPUs a bound allocation could still take in the zone, as
-    capacity() counts them (the shared pool's minimum caps the shared ones, free isolated CPUs
-    always count)."""
+    """available: the whole CPUs bound allocations could still take in the zone, as capacity()
+    counts them (free isolated CPUs always count; the shared pool's minimum caps the shared
+    ones, its budget split among the zones)."""
     t = MACHINES["d"].topology()  # CPUs 0-2,4-5 | 16,18-21 online; 20-21 isolated (node 1)
     led = ledger(t, reserved=CPUSet([0]))
     obj = nrt.export(t, led, "d", 0)
@@ -132,9 +132,10 @@ def test_cpu_counts_reserved_isolated_and_the_shared_minimum() -> None:
     assert (n1["capacity"], n1["allocatable"], n1["available"]) == ("5", "5", "5")
     whole = placement.capacity(t, led, Request.parse("1", {"bind": True}))
     assert int(n0["available"]) + int(n1["available"]) == whole == 9
-    tight = ledger(t, min_shared_cpus=7)  # 8 shared: one may still go, and the 2 isolated
+    # 8 shared: one may still go (to node 0, which has 5 of them), and the 2 isolated
+    tight = ledger(t, min_shared_cpus=7)
     obj = nrt.export(t, tight, "d", 0)
-    assert [resource(zone(obj, f"node-{n}"), "cpu")["available"] for n in (0, 1)] == ["1", "3"]
+    assert [resource(zone(obj, f"node-{n}"), "cpu")["available"] for n in (0, 1)] == ["1", "2"]
     assert placement.capacity(t, tight, Request.parse("1", {"bind": True})) == 3
     assert attribute(zone(obj, "node-1")["attributes"], "cpuservice.io/isolated-cpus") == "20-21"
 
@@ -246,14 +247,69 @@ AMOUNTS = st.decimals(min_value=Decimal("0.25"), max_value=Decimal(6), places=2)
 REQUESTS = st.lists(st.tuples(AMOUNTS, st.booleans()), max_size=12)
 
 
+def zone_cpus(t: Topology, led: Ledger, z: dict[str, Any]) -> CPUSet:
+    """``available`` CPUs of zone ``z``, as a cpuset: its free isolated ones, then its shared,
+    unreserved ones, lowest first."""
+    cpus = CPUSet.parse(attribute(z["attributes"], "cpuservice.io/cpus")) & t.online
+    shared = ((led.shared - led.reserved) & cpus).sorted()
+    free_isolated = led.free_isolated & cpus
+    count = int(resource(z, "cpu")["available"])
+    return free_isolated | CPUSet(shared[:count - len(free_isolated)])
+
+
+def bind_zones(t: Topology, led: Ledger, zones: list[dict[str, Any]]) -> Ledger:
+    """Each zone's available CPUs bound as one allocation (an explicit cpuset), one zone after
+    the other on one ledger: InsufficientCPUs when they cannot all be bound together."""
+    for i, z in enumerate(zones):
+        cpus = zone_cpus(t, led, z)
+        assert len(cpus) == int(resource(z, "cpu")["available"]), z["name"]
+        if cpus:
+            led = allocate(t, led, f"zone{i}", str(len(cpus)), bind=True, cpuset=cpus.format())
+    return led
+
+
+def test_node_zones_add_up_to_what_can_be_bound() -> None:
+    """Issue 37 item 5: on machine b (16 shared CPUs, min_shared_cpus 1: 15 may be bound) each
+    node zone said 8 available, 16 together; a scheduler that counts zones as additive had its
+    second pod of 8 refused. The budget is split: 8 + 7, and both bind."""
+    t = MACHINES["b"].topology()
+    led = ledger(t)
+    obj = nrt.export(t, led, "b", 0)
+    nodes = [zone(obj, "node-0"), zone(obj, "node-1")]
+    assert [resource(z, "cpu")["available"] for z in nodes] == ["8", "7"]
+    assert placement.capacity(t, led, Request.parse("1", {"bind": True})) == 15
+    assert len(bind_zones(t, led, nodes).bound) == 2
+    for z in nodes:  # and each alone, the whole of it
+        assert len(bind_zones(t, led, [z]).bound) == 1
+
+
+def test_the_budget_is_split_in_proportion() -> None:
+    """Shares in proportion to the zones' shared CPUs, the rounding's CPUs to the largest
+    remainders (ties: the first); each at most its count; nothing of the budget is lost."""
+    split = nrt._budget_shares
+    assert split(15, {0: 8, 1: 8}) == {0: 8, 1: 7}
+    assert split(5, {0: 2, 1: 4}) == {0: 2, 1: 3}
+    assert split(1, {0: 5, 1: 3}) == {0: 1, 1: 0}
+    assert split(1, {0: 3, 1: 5}) == {0: 0, 1: 1}
+    assert split(100, {0: 3, 1: 5, 2: 0}) == {0: 3, 1: 5, 2: 0}
+    assert split(0, {0: 3, 1: 5}) == {0: 0, 1: 0}
+    assert split(7, {}) == {}
+    assert split(4, {0: 0, 1: 0}) == {0: 0, 1: 0}
+
+
+AMOUNTS = st.decimals(min_value=Decimal("0.25"), max_value=Decimal(6), places=2)
+REQUESTS = st.lists(st.tuples(AMOUNTS, st.booleans()), max_size=12)
+
+
 @pytest.mark.parametrize("name", ["b", "c", "d", "snc", "hybrid", "memoryless"])
 @settings(max_examples=examples(40))
 @given(requests=REQUESTS, min_shared=st.integers(1, 12), reserved=st.integers(0, 3))
 def test_what_is_available_is_what_can_be_bound(name: str, requests: list[tuple[Decimal, bool]],
                                                 min_shared: int, reserved: int) -> None:
     """On any ledger: valid; 0 <= available <= allocatable <= capacity per zone; the L3 zones
-    of a node add up to it; and the node zones' available CPUs are what capacity() counts for
-    single bound CPUs, but for the shared pool's budget, which every zone may spend alone."""
+    of a node add up to it, available CPUs too; the node zones' available CPUs add up to what
+    capacity() counts for single bound CPUs (zones are additive to a scheduler: issue 37 item
+    5), and each zone's available CPUs can be bound, alone and all zones together."""
     t = {**MACHINES, **SHAPES}[name].topology()
     led = ledger(t, reserved=CPUSet(t.online.sorted()[:reserved]), min_shared_cpus=min_shared)
     for i, (amount, bound) in enumerate(requests):
@@ -269,7 +325,13 @@ def test_what_is_available_is_what_can_be_bound(name: str, requests: list[tuple[
     for node_name, z in nodes.items():
         parts = [resource(l3, "cpu") for l3 in obj["zones"] if l3.get("parent") == node_name]
         assert sum(int(p["capacity"]) for p in parts) == int(resource(z, "cpu")["capacity"])
-    shared_part = sum(int(resource(z, "cpu")["available"]) for z in nodes.values()) \
-        - len(led.free_isolated)
+        assert sum(int(p["available"]) for p in parts) == int(resource(z, "cpu")["available"])
+    available = sum(int(resource(z, "cpu")["available"]) for z in nodes.values())
     singles = placement.capacity(t, led, Request.parse("1", {"bind": True}))
-    assert singles == len(led.free_isolated) + min(shared_part, led.shared_budget)
+    assert available == singles
+    assert len(bind_zones(t, led, list(nodes.values())).bound) \
+        == len(led.bound) + sum(1 for z in nodes.values() if zone_cpus(t, led, z))
+    l3 = [z for z in obj["zones"] if z["type"] == nrt.L3_ZONE]
+    bind_zones(t, led, l3)
+    for z in [*nodes.values(), *l3]:
+        bind_zones(t, led, [z])

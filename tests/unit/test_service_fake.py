@@ -390,6 +390,66 @@ def test_corrupt_checkpoint_is_rebuilt_from_the_units(tmp_path: Path) -> None:
     run(body)
 
 
+@pytest.mark.parametrize("breakage", ["double-booked", "overlap", "pieces", "bad-row",
+                                      "after-repair"])
+def test_a_checkpoint_that_breaks_the_invariants_is_set_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, breakage: str) -> None:
+    """Issue 37: a checkpoint that reads well (format, checksum) but whose allocations break
+    the ledger's invariants (an InvariantError), or a row that cannot be read, stopped the
+    start. It is set aside like a corrupt file, and the state is rebuilt from the slices,
+    which systemd still has as they were: nothing running is touched. after-repair: the
+    file is consistent, what the startup repair makes of it is not (the last check)."""
+    import json
+
+    from cpuservice.host import checkpoint
+    from cpuservice.shell import recovery
+
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        await svc.allocate("a", "2", BIND, 1000)
+        await svc.allocate("b", "2.5", BIND, 0)
+        await svc.allocate("u", "1", {}, 0)
+        before, state = svc.ledger.allocations, svc.state
+        a, b = before["a"], before["b"]
+        assert b.fragment is not None
+        bad = {"double-booked": replace(b, whole=a.whole),  # a CPU exclusive to two
+               "overlap": replace(b, whole=b.whole | CPUSet([b.fragment.cpu])),
+               "pieces": replace(b, fragment=replace(b.fragment, pieces=250))}.get(breakage, b)
+        allocations = {**state.ledger.allocations, "b": bad}
+        path = Path(host.cfg.state_file)
+        Store(path).save(replace(state, ledger=replace(
+            state.ledger, allocations=allocations, bound={})))
+        if breakage == "bad-row":  # a row that cannot be read, under a good checksum
+            header, payload = path.read_text().splitlines()
+            data = json.loads(payload)
+            data["allocations"][0]["whole"] = "3-x"
+            payload = json.dumps(data)
+            path.write_text(json.dumps({**json.loads(header),
+                                        "checksum": checkpoint._checksum(payload)})
+                            + f"\n{payload}\n")
+        if breakage == "after-repair":
+            real = recovery.repair
+
+            def broken(topology: Any, ledger: Any) -> Any:
+                repaired, changes = real(topology, ledger)
+                if "b" in ledger.allocations and ledger.allocations["b"].whole == b.whole:
+                    twice = {**repaired.allocations, "b": replace(b, whole=a.whole)}
+                    repaired = replace(repaired, allocations=twice, bound={})
+                monkeypatch.setattr(recovery, "repair", real)  # only the first time
+                return repaired, changes
+            monkeypatch.setattr(recovery, "repair", broken)
+        mark = host.fake.mark()
+        again = await host.service()
+        check_invariants(again.ledger)
+        assert again.ledger.allocations == before
+        assert host.fake.writes[mark[1]:] == []  # nothing running was touched
+        assert again.record("a").owner == 1000
+        assert list(path.parent.glob("state.json.corrupt-*"))
+        agree(again, host.fake)
+    run(body)
+
+
 def test_every_change_is_announced_with_its_values(tmp_path: Path) -> None:
     async def body() -> None:
         host = Host(tmp_path)
