@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -127,10 +126,10 @@ class Lending:
         self._flushed = 0.0
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        # live allocation -> when it was made (forget): a decision taken before is not about
-        # the allocation of that name now
-        self._born: dict[str, int] = {}
-        self._births = itertools.count(1)
+        # an allocation's identity beyond its name (the service's serial, made on demand and
+        # forgotten with the allocation: as many as live allocations): a decision taken about
+        # one is not about another that took its name meanwhile
+        self.identity: Callable[[str], int] = lambda name: 0
 
     def forget(self, name: str) -> None:
         """``name`` was released, or is a new allocation: what the loop knew under that name
@@ -138,10 +137,6 @@ class Lending:
         self.lenders.pop(name, None)
         self._last.pop(name, None)
         self._seen.pop(name, None)
-        if name in self.engine.state.ledger.allocations:
-            self._born[name] = next(self._births)
-        else:  # released: gone (one made again later is born again, so unlike any decision)
-            self._born.pop(name, None)
 
     def running(self) -> bool:
         return self._task is not None and not self._task.done()
@@ -225,7 +220,7 @@ class Lending:
         units = {r.unit for r in state.records.values()}
         for unit in set(self._groups) - units:
             del self._groups[unit]
-        born = {name: self._born.get(name) for name in [*keep, *lend]}
+        born = {name: self.identity(name) for name in [*keep, *lend]}
         # a commit that fails is tried again: the next samples find the state as it is
         # (still lent: withdrawn at the next busy sample; not lent: after the idle time again)
         try:
@@ -323,8 +318,8 @@ class Lending:
         lendable CPUs; a withdrawal keeps of what they lend only what is in their target.
         ``detected``: when the sample that decided was taken (a withdrawal's latency is
         counted from it); ``why``/``cause``: why, for each owner / for all of them;
-        ``born``: the allocations' births when the sample decided (one made or released since
-        is left alone: the decision was about another allocation)."""
+        ``born``: the allocations' identities when the sample decided (one released, or
+        released and made again, since is left alone: the decision was about another)."""
         async with self.engine.lock:
             state, topology = self.engine.state, self.engine.topology
             lent_now: dict[str, CPUSet] = {}
@@ -334,7 +329,7 @@ class Lending:
                 record = state.records.get(name)
                 if a is None or record is None or self.skip(name):
                     continue
-                if born is not None and born.get(name) != self._born.get(name):
+                if born is not None and born.get(name) != self.identity(name):
                     continue
                 was = lending.lent(topology, state, name)
                 if action is Action.LEND:

@@ -71,6 +71,7 @@ class Service:
         # same name goes when the new one is committed
         self.admission = Admission(engine, self._follow, fresh=self._forget_serial)
         self.lending = Lending(engine, skip=self._releasing.__contains__)
+        self.lending.identity = self.serial
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)

@@ -162,7 +162,34 @@ class Lab:
                 return time.monotonic() - start
             await asyncio.sleep(0.02)
         raise SystemExit(f"FAILED STEP: the owner's CPUs {sorted(self.cpus)} were not lent "
-                         f"within {seconds} s")
+                         f"within {seconds} s; {await self.owner_load()}")
+
+    async def owner_load(self, seconds: float = 2.0) -> str:
+        """What the daemon sees of the owner, for a failure's message: its cgroup's usage in
+        50 ms windows (the share of them at or above lend_idle_percent, 5 %, and the largest)
+        and each of its threads' share over ``seconds``."""
+        group = group_of(self.owner_unit)
+        files = thread_files(group)
+        before = {t: runtime(t) or 0 for t in threads_of(files)}
+        windows, last, start = [], usage(group), time.monotonic()
+        while time.monotonic() - start < seconds:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.05)
+            now = usage(group)
+            windows.append((now - last) / (time.monotonic() - t0) * 100)
+            last = now
+        took = time.monotonic() - start
+        shares = []
+        for tid in threads_of(files):
+            comm = "?"
+            with contextlib.suppress(OSError):
+                comm = Path(f"/proc/{tid}/comm").read_text().strip()
+            ran = (runtime(tid) or 0) - before.get(tid, 0)
+            shares.append(f"{tid} {comm} {ran / 1e7 / took:.1f}%")
+        busy = sum(w >= 5 for w in windows)
+        return (f"owner load in 50 ms windows: {busy} of {len(windows)} at 5 % or more, max "
+                f"{max(windows, default=0):.1f} %, mean {sum(windows) / max(1, len(windows)):.1f} "
+                f"%; threads: {', '.join(shares)}")
 
     def borrower_on(self, cpus: set[int]) -> list[str]:
         """Where the borrower is on ``cpus``: the borrow slice's and its own cgroup's
