@@ -62,15 +62,19 @@ def cores_of(topology: Topology, cpus: CPUSet) -> dict[int, CPUSet]:
 class Load:
     """What an owner did in one sample, in percent of one CPU: its threads' time on each CPU
     they ran on last, the time no thread read accounts for (it may have been on any core),
-    and how many threads on its lendable CPUs (or on no CPU known) were busy."""
+    how many threads on its lendable CPUs (or on no CPU known) were busy, and what it used in
+    all (no core can have more)."""
 
     cpus: Mapping[int, float] = field(default_factory=dict)
     unplaced: float = 0.0
     busy_threads: int = 0
+    ceiling: float = float("inf")
 
     def on(self, core: CPUSet) -> float:
-        """The owner's load on ``core``: its CPUs' placed time and all the unplaced time."""
-        return sum(self.cpus.get(cpu, 0.0) for cpu in core) + self.unplaced
+        """The owner's load on ``core``: its CPUs' placed time and all the unplaced time, at
+        most what it used in all (each thread's figure is an upper bound of its own: together
+        on one core they may add up to more than the owner used)."""
+        return min(sum(self.cpus.get(cpu, 0.0) for cpu in core) + self.unplaced, self.ceiling)
 
 
 Thread = tuple[int, int]  # run time in ns since the thread started; the CPU it ran on last
@@ -126,7 +130,7 @@ def thread_load(before: Mapping[int, int], after: Mapping[int, Thread], used_us:
             busy += 1
     accounted = max(0.0, accounted - skipped_us * 1000.0)  # what they ran in skipped samples
     unplaced = max(0.0, (used_us - gap_us) * 1000.0 - accounted) / window * 100
-    return Load(placed, unplaced, busy)
+    return Load(placed, unplaced, busy, cap / window * 100)
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,11 @@ def test_thread_load_places_each_thread_where_it_ran_last() -> None:
                         skipped_us=57_000)
     assert three.unplaced == pytest.approx(0.0)
     assert three.cpus == {0: pytest.approx(6.0), 1: pytest.approx(6.0), 2: pytest.approx(6.0)}
+    # two such threads on one core: each may have run all the owner used, not both
+    two = thread_load({1: 0, 2: 0}, {1: (20 * ms, 0), 2: (20 * ms, 8)}, 3000, 0.05, 20, EIGHT,
+                      skipped_us=37_000)
+    assert two.cpus == {0: pytest.approx(6.0), 8: pytest.approx(6.0)}
+    assert two.on(core(0)) == pytest.approx(6.0) and two.ceiling == pytest.approx(6.0)
     # a busy thread on a CPU that is not lendable keeps no core
     assert thread_load({1: 0}, {1: (50 * ms, 15)}, 50_000, 0.05, 20, EIGHT).busy_threads == 0
     assert thread_load({}, {}, 1000, 0.0, 20, EIGHT).unplaced == 100.0
