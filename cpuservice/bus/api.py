@@ -63,6 +63,7 @@ class Manager(Callers, ServiceInterface):
         self.objects: dict[str, Allocation] = {}
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._uids = OrderedDict()
+        self._asking = {}
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         self.reads = Reads(bus, self)  # GetManagedObjects, GetAll, Introspect: in turn, cached
         service.subscribe(self)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -25,10 +25,10 @@ from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, SystemdFailure
 from cpuservice.model.pools import Ledger, check_invariants
-from cpuservice.model.props import Props
-from cpuservice.model.state import State
+from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
 from cpuservice.shell import publish
+from cpuservice.shell.effector import Effector
 from cpuservice.shell.ports import (
     UNIT_IFACE,
     Events,
@@ -41,38 +41,6 @@ from cpuservice.shell.ports import (
 log = logging.getLogger(__name__)
 OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
                 "cpuservice-borrow-*.slice", f"{units.PARTITION_PREFIX}*.slice")
-class Effector:
-    """The reconcile transaction's effector: systemd for units, the kernel for the pseudo-units
-    of interrupts and workqueues (they only ever get AllowedCPUs)."""
-
-    def __init__(self, systemd: SystemdAPI, kernel: KernelAPI | None) -> None:
-        self.systemd, self.kernel = systemd, kernel
-
-    async def start_transient(self, unit: str, props: Props) -> None:
-        await self.systemd.start_transient(unit, props)
-
-    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
-        if unit in KERNEL_HOLDERS:
-            if self.kernel is not None and "AllowedCPUs" in props:
-                await self.kernel.set_cpus(unit, CPUSet.from_mask(bytes(props["AllowedCPUs"][1])))
-            return
-        await self.systemd.set_properties(unit, props, missing_ok)
-
-    def batched(self, unit: str) -> bool:
-        return unit in KERNEL_HOLDERS
-
-    async def set_many(self, writes: Mapping[str, Props]) -> None:
-        """Both kernel holders in one write."""
-        wants = {u: CPUSet.from_mask(bytes(p["AllowedCPUs"][1]))
-                 for u, p in writes.items() if "AllowedCPUs" in p}
-        if self.kernel is not None and wants:
-            await self.kernel.set_many(wants)
-
-    async def stop(self, unit: str) -> None:
-        await self.systemd.stop(unit)
-
-    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
-        await self.systemd.remove_overrides(unit, names)
 
 
 @dataclass(frozen=True)
@@ -148,27 +116,31 @@ class Engine:
         memo = self.targets.memo()  # a failed change leaves no spec of its own behind
         changed = self.targets.changed(old, new, change.touched)
         observed = change.basis is Basis.OBSERVED
-        if change.durability is Durability.FIRST:
-            self.store.save(new, changed)
-        elif change.durability is Durability.SERVE_READ_ONLY:
-            try:
-                self.store.save(new, changed)
-            except CheckpointWriteError as exc:
-                # what this change derived follows from the checkpoint and systemd again at the
-                # next start; changes that need a write are refused until one succeeds
-                log.error("%s: serving read-only, every change is refused until the state can "
-                          "be written", exc)
+        topology = change.topology or old_topology
+        tx = reconcile.Transaction(())
         try:
-            before = self.specs(old, changed)
-            self.topology = change.topology or old_topology
+            if not observed:  # planned before anything is touched: no safe order, no change
+                tx = self.plan((old_topology, old), (topology, new), changed)
+            if change.durability is Durability.FIRST:
+                self.store.save(new, changed)
+            elif change.durability is Durability.SERVE_READ_ONLY:
+                try:
+                    self.store.save(new, changed)
+                except CheckpointWriteError as exc:
+                    # what this change derived follows from the checkpoint and systemd again
+                    # at the next start; changes that need a write are refused until one
+                    # succeeds
+                    log.error("%s: serving read-only, every change is refused until the "
+                              "state can be written", exc)
+        except BaseException:
+            self.targets.restore(memo)
+            raise
+        try:
+            self.topology = topology
             if observed:
                 await reconcile.execute(reconcile.Transaction(change.steps), self.effector)
                 await self._sync(new)
             else:
-                tx = reconcile.plan(before, self.specs(new, changed),
-                                    old.ledger.exclusive | new.ledger.exclusive,
-                                    lending.shareable((old_topology, old), (self.topology, new)),
-                                    units.BORROW)
                 await reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
                                         self.effector)
             if change.durability is Durability.AFTER:
@@ -177,7 +149,9 @@ class Engine:
             log.error("applying a change failed, rolling back: %s", exc)
             self.topology = old_topology
             self.targets.restore(memo)
-            if observed or not (isinstance(exc, reconcile.Failed) and exc.clean):
+            # (no safe order of the sync: nothing of it was done, nothing to put back)
+            if (observed or not (isinstance(exc, reconcile.Failed) and exc.clean)) and not \
+                    isinstance(exc, reconcile.NoSafeOrder):
                 try:
                     await self._sync(old)
                 except Exception as again:
@@ -202,6 +176,33 @@ class Engine:
         for note in change.notes:
             self._audit(note, old, old_topology)
         self._committed()
+
+    def plan(self, old: tuple[Topology, State], new: tuple[Topology, State],
+             changed: Iterable[str]) -> reconcile.Transaction:
+        """The transaction from ``old`` to ``new`` (each with its topology) for the units of
+        the shared pool's holders and the ``changed`` allocations; NoSafeOrder when no order
+        of it keeps the ordering rule."""
+        names = set(changed)
+        return reconcile.plan(self.targets.specs(old[0], old[1], names),
+                              self.targets.specs(new[0], new[1], names),
+                              old[1].ledger.exclusive | new[1].ledger.exclusive,
+                              lending.shareable(old, new), units.BORROW, new[1].ledger.shared)
+
+    def orderable(self, ledger: Ledger, records: Mapping[str, Record] | None = None) -> bool:
+        """Whether the change from the state to ``ledger`` (with ``records``: the state's by
+        default) has an order that keeps the ordering rule (what re-packing and defragment
+        ask of the moves they choose). Leaves nothing of itself in the specs."""
+        new = State(ledger, self.state.records if records is None else records)
+        memo = self.targets.memo()
+        try:
+            self.plan((self.topology, self.state), (self.topology, new),
+                      self.targets.changed(self.state, new, None))
+        except reconcile.NoSafeOrder as exc:
+            log.info("moves refused: %s", exc)
+            return False
+        finally:
+            self.targets.restore(memo)
+        return True
 
     def subscribe(self, sink: Events) -> None:
         """``sink`` is told every committed change, with the values to publish."""
@@ -258,8 +259,8 @@ class Engine:
         # a dead slice of ours is stopped first, so that it can be started again
         stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
         tx = reconcile.plan(before, after, state.ledger.exclusive | held,
-                            lending.shareable((self.topology, state), (self.topology, state)),
-                            units.BORROW)
+                            self.targets.shareable(self.topology, state, before), units.BORROW,
+                            state.ledger.shared)
         await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
 
     async def observe(self, after: Mapping[str, UnitSpec]

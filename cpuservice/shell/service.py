@@ -341,7 +341,8 @@ class Service:
         log_ = self.admission.moves
         async with self.lock:
             ledger, moves = defrag.defragment(self.topology, self.ledger,
-                                              allowed=log_.allowed)
+                                              allowed=log_.allowed,
+                                              safe=self.engine.orderable)
             if dry_run or not moves:
                 return moves
             await self.engine.apply(Change(

@@ -172,9 +172,10 @@ async def populate(address: str, n: int) -> None:
 
 async def measure(address: str, seconds: float) -> dict[str, float]:
     """Ping cpuservice every 20 ms for ``seconds`` (p50, p99; and dbus-daemon itself, p99:
-    what the bus adds), then Allocate and Release ten times (median of the Allocates)."""
+    what the bus adds; and GetAllocation, a read that takes its turn, p99), then Allocate and
+    Release ten times (median of the Allocates)."""
     bus = await MessageBus(bus_address=address).connect()
-    pings, bus_pings, allocates = [], [], []
+    pings, bus_pings, reads, allocates = [], [], [], []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         start = time.perf_counter()
@@ -184,6 +185,9 @@ async def measure(address: str, seconds: float) -> dict[str, float]:
         await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
                                interface="org.freedesktop.DBus.Peer", member="Ping"))
         bus_pings.append(time.perf_counter() - start)
+        start = time.perf_counter()  # a read, which takes a turn among the users' reads
+        await call(bus, "GetAllocation", "s", ["a1"])
+        reads.append(time.perf_counter() - start)
         await asyncio.sleep(0.02)
     for i in range(10):
         start = time.perf_counter()
@@ -194,8 +198,10 @@ async def measure(address: str, seconds: float) -> dict[str, float]:
     bus.disconnect()
     pings.sort()
     bus_pings.sort()
+    reads.sort()
     return {"ping_p50": statistics.median(pings), "ping_p99": pings[int(len(pings) * 0.99)],
             "bus_ping_p99": bus_pings[int(len(bus_pings) * 0.99)],
+            "read_p99": reads[int(len(reads) * 0.99)],
             "allocate": statistics.median(allocates)}
 
 

@@ -5,7 +5,8 @@ every step, a crash at every step, and random sequences of all of these."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -154,9 +155,10 @@ def agree(svc: Service, fake: FakeSystemd) -> None:
 
 
 def check_window(fake: FakeSystemd, mark: tuple[int, int], exclusive: CPUSet,
-                 foreign: set[str] | None = None, lent: dict[int, str] | None = None) -> None:
+                 foreign: set[str] | None = None,
+                 lent: Mapping[int, str | AbstractSet[str]] | None = None) -> None:
     """Since ``mark``: no instant broke the ordering rule, no empty AllowedCPUs was written
-    (``lent``: cpu -> the unit that may share it with the borrow slice)."""
+    (``lent``: cpu -> the unit, or units, that may share it with the borrow slice)."""
     assert violations(fake.timeline[mark[0]:], exclusive, lent) == []
     assert empty_writes(fake.writes[mark[1]:], foreign or set()) == []
 
