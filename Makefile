@@ -5,7 +5,8 @@ PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers test-lab-debian13 bench-placement bench-service \
-        bench-hotplug bench-irq bench-partition bench-lending bench-bus test-debian12 test-debian13 \
+        bench-hotplug bench-irq bench-partition bench-lending bench-lending-read bench-bus \
+        test-debian12 test-debian13 \
         run man deb
 
 setup:
@@ -93,6 +94,10 @@ bench-irq:
 # VM lab: an owner's cyclictest latency unlent/lent, the borrower's harvest, withdrawal time
 bench-lending:
 	PYTHONPATH=$(CURDIR) $(PY) bench/lending.py
+
+# no VM: what reading a busy owner's threads costs the lending loop, on this machine's /proc
+bench-lending-read:
+	PYTHONPATH=$(CURDIR) $(PY) bench/lending_read.py
 
 # any local user's bulk reads against the daemon on a private bus (no container; as root)
 bench-bus:

@@ -90,6 +90,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if monitor is not None:
         monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
+    service.lending.rate = manager.rate  # lending counts against the owners' change rate
     textfile = metrics_file(cfg, service)
 
     def status() -> str:
