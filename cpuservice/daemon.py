@@ -100,6 +100,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if monitor is not None:
         monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
+    service.lending.rate = manager.rate  # lending counts against the owners' change rate
     # every allocation's figures, read every statistics_seconds: its health, the metrics
     sampler = Sampler(service.statistics, cfg.statistics_seconds)
     health_monitor = HealthMonitor(service.engine, cfg.health_limits)

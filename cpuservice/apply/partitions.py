@@ -37,12 +37,15 @@ _STATE = re.compile(r"(member|root|isolated)( invalid(?: \((.*)\))?)?")
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What this host can do about partitions, as detected at startup."""
+    """What this host can do about partitions, and whether it can lend (option lend; see
+    cpuservice.host.cgroup.detect_lending), as detected at startup."""
 
     systemd_version: str = ""
     systemd_property: bool = False  # systemd knows CPUSetPartition= (>= 261)
     kernel: bool = False  # cgroup v2 with the cpuset controller and isolated partitions
     kernel_reason: str = ""
+    lending: bool = False  # cgroup v2 with the cpu controller, /proc/PID/schedstat
+    lending_reason: str = "not detected yet"
 
     @property
     def partitions(self) -> bool:
@@ -67,6 +70,8 @@ class Capabilities:
             "SystemdCPUSetPartition": ("b", self.systemd_property),
             "KernelPartitions": ("b", self.kernel),
             "PartitionsUnavailable": ("s", self.why_not()),
+            "Lending": ("b", self.lending),
+            "LendingUnavailable": ("s", "" if self.lending else self.lending_reason),
         }
 
 

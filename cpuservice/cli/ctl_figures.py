@@ -1,13 +1,16 @@
 """How allocations fare, for cpuservicectl (issue 39): the Manager's GetStatistics in batches,
-and the figures as ``status NAME`` and ``show NAME`` print them (``top`` is in ctl_top)."""
+the figures as ``status NAME`` prints them, and ``show NAME`` (an allocation's properties and
+its figures); ``top`` is in ctl_top."""
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cpuservice.cli.client import Client, unwrap
-from cpuservice.cli.ctl_output import cpu_time
+from cpuservice.cli.client import EXIT_USAGE, Client, unwrap
+from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, show_value
 from cpuservice.host import dbuscall
 from cpuservice.model.figures import FIGURES, MAX_NAMES, show_name
 
@@ -90,3 +93,25 @@ async def for_show(c: Client, name: str, wanted: Sequence[str]) -> dict[str, Any
         return props
     found = await statistics(c, [name])
     return props | shown(found[name]) if name in found else props
+
+
+def _wanted(args: argparse.Namespace) -> list[str]:
+    return [p for item in args.property for p in item.split(",") if p]
+
+
+async def show(c: Client, args: argparse.Namespace) -> int:
+    """``show NAME [-p PROPERTY]... [--value]``: as systemctl show prints a unit."""
+    props = await for_show(c, args.name, _wanted(args))
+    wanted = _wanted(args) or sorted(props)
+    unknown = [p for p in wanted if p not in props]
+    if unknown:
+        print(f"cpuservicectl: no property {', '.join(unknown)}; known: "
+              f"{', '.join(sorted(props))}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json_mode is not JsonMode.OFF:
+        print(dumps({k: props[k] for k in wanted}, args.json_mode))
+        return 0
+    for key in wanted:
+        value = show_value(key, props[key])
+        print(value if args.value else f"{key}={value}")
+    return 0

@@ -55,6 +55,8 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
         kinds = [k for k in caps.get("Partitions", []) if k != "none"]
         print(f"  Partitions: {', '.join(kinds) or 'no'}"
               f"{'' if kinds else ' (' + str(caps.get('PartitionsUnavailable', '')) + ')'}")
+        if caps.get("Lending") is False:  # a daemon from before issue 37 does not say
+            print(f"  Lending:   no ({caps.get('LendingUnavailable', '')})")
     return 0
 
 

@@ -17,7 +17,7 @@ from cpuservice.apply import partitions, reconcile, units, views
 from cpuservice.apply.change import Basis, Change, Durability, Note
 from cpuservice.apply.reconcile import UnitSpec
 from cpuservice.apply.targets import Targets, partition_mode, partition_of
-from cpuservice.host import journal, metrics
+from cpuservice.host import cgroup, journal, metrics
 from cpuservice.host.checkpoint import Store
 from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from cpuservice.model import lending
@@ -95,6 +95,7 @@ class Engine:
         # the health reasons of the allocations' figures (cpuservice.shell.health replaces it)
         self.strain: Mapping[str, tuple[str, ...]] = MappingProxyType({})
         self.detect_kernel: Callable[[], tuple[bool, str]] = partitions.detect_kernel
+        self.detect_lending: Callable[[], tuple[bool, str]] = cgroup.detect_lending
         self.lock = asyncio.Lock()
 
     @property
@@ -305,7 +306,7 @@ class Engine:
 
     async def detect_capabilities(self) -> partitions.Capabilities:
         """What this host can do about partitions: systemd's version and whether its slices
-        have CPUSetPartition, and what the kernel offers."""
+        have CPUSetPartition, and what the kernel offers; and whether it can lend."""
         try:
             version = await self.systemd.manager_version()
             root = await self.systemd.get("-.slice", cgroup_iface("-.slice"),
@@ -314,8 +315,12 @@ class Engine:
             log.warning("cannot ask systemd what it supports: %s", exc)
             version, root = "", {}
         kernel, why = self.detect_kernel()
+        lend, why_not_lend = self.detect_lending()
         self.capabilities = partitions.Capabilities(version, partitions.PROPERTY in root,
-                                                    kernel, why)
+                                                    kernel, why, lend, why_not_lend)
+        if not lend:
+            log.warning("lending (option lend) is not available, allocations lend nothing: %s",
+                        why_not_lend)
         self.targets.set_partitions(self.capabilities.systemd_property)
         if self.capabilities.partitions:
             log.info("cpuset partitions available (systemd %s)", version)

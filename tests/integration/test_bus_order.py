@@ -27,14 +27,11 @@ import pytest
 from dbus_fast import Message, MessageType
 from dbus_fast.aio import MessageBus
 
-from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
-from cpuservice.daemon import assemble
-from cpuservice.host.authz import Authority
-from cpuservice.host.checkpoint import Store
+from cpuservice.bus.api import BUS_NAME, Bus
 from cpuservice.model import config as config_mod
 from cpuservice.model.fixtures import write_sysfs
 from cpuservice.shell.service import Service
-from tests.unit.fake_systemd import FakeKernel, FakeSystemd
+from tests.envs import privbus
 
 OM = "org.freedesktop.DBus.ObjectManager"
 PROPS = "org.freedesktop.DBus.Properties"
@@ -60,15 +57,8 @@ class Env:
                                         "max_allocations_per_user": 0})
 
     async def serve(self) -> Service:
-        self.bus = await Bus(bus_address=self.address).connect()
-        fake = FakeSystemd()
-        fake._record = lambda: None  # type: ignore[method-assign]  # no timeline: speed
-        service = assemble(self.cfg, fake, Store(self.cfg.state_file), FakeKernel(fake))
-        self.manager = Manager(service, self.bus, Authority(self.bus))
-        self.bus.add_message_handler(capture_sender)
-        await service.start()
-        self.manager.export_all()
-        await self.bus.request_name(BUS_NAME)
+        self.bus, service, self.manager = await privbus.serve(self.address, self.cfg,
+                                                               timeline=False)
         return service
 
     def stop(self) -> None:

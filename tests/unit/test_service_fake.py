@@ -99,14 +99,22 @@ class Host:
         self.kernel = FakeKernel(self.fake)
         self.foreign: set[str] = set()
         # the lending controller's view of the kernel: each cgroup's usage_usec (the fake's
-        # ControlGroup is "/" + the unit), and its clock; tests call svc.lending.sample()
+        # ControlGroup is "/" + the unit), its threads (tid -> run time in ns, the CPU it ran
+        # on last; none: all its usage is unplaced), whether this host can lend, and its
+        # clock; tests call svc.lending.sample()
         self.usage: dict[str, int] = {}
+        self.threads: dict[str, dict[int, tuple[int, int]]] = {}
+        self.can_lend = True
         self.clock = 1000.0
 
     async def service(self) -> Service:
         svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file), self.kernel)
         svc.events = self.events = Recorder()
+        svc.engine.detect_lending = lambda: (self.can_lend, "" if self.can_lend
+                                             else "a hybrid cgroup hierarchy here")
         svc.lending.read_usage = self.usage.get
+        svc.lending.read_threads = lambda group, known: (
+            dict(self.threads.get(group, {})) if group in self.usage else None)
         svc.lending.clock = lambda: self.clock
         svc.lending.sleep = _never
         await svc.start()
