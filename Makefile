@@ -4,8 +4,9 @@ DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
-        test-lab-modern test-lab-containers bench-placement bench-service bench-hotplug bench-irq bench-partition \
-        bench-lending bench-bus \
+        test-lab-modern test-lab-containers test-lab-debian13 bench-placement bench-service \
+        bench-hotplug bench-irq bench-partition bench-lending bench-lending-read bench-bus \
+        bench-figures test-debian12 test-debian13 \
         run man deb
 
 setup:
@@ -17,10 +18,11 @@ lint:
 	$(PY) -m mypy
 
 # Each tier says when it starts and how long it took (scripts/tier.sh); every tier runs even
-# after another failed, and a table of them (with what failed) closes the run.
+# after another failed, and a table of them (with what failed) closes the run. The VM lab runs
+# beside the others (&: scripts/tiers.sh).
 test:
-	@bash scripts/tiers.sh lint:lint unit-pypi:test-unit-venv unit-debian:test-unit-debian \
-	    integration:test-integration lab:test-lab
+	@bash scripts/tiers.sh '&lab:test-lab' lint:lint unit-pypi:test-unit-venv \
+	    unit-debian:test-unit-debian integration:test-integration
 
 # Random exploration of the property tests (the gate's are derandomized: tests/props.py): a
 # fresh seed each run (or SEED=N to repeat one), EXPLORE_SCALE times the gate's examples.
@@ -39,9 +41,13 @@ test-unit: test-unit-venv test-unit-debian
 test-unit-venv:
 	$(PY) $(PYTEST) tests/unit
 
-# Debian 12's own pydantic 1.10.4 / dbus-fast 1.84.2 / pytest / hypothesis
+# the distribution's own Python, pydantic, dbus-fast, pytest and hypothesis, whatever they are
+# (Debian 12: 3.11, 1.10.4, 1.84.2; Debian 13: 3.13, 2.10.6, 2.44.1); it says which
 test-unit-debian:
-	$(DEBPY) -c 'import pydantic, sys; sys.exit(not pydantic.VERSION.startswith("1."))'
+	@$(DEBPY) -c 'import sys, pydantic, hypothesis; from importlib.metadata import version as v; \
+	    print("==> Debian", open("/etc/debian_version").read().strip(), "Python", \
+	          sys.version.split()[0], "pydantic", pydantic.VERSION, "dbus-fast", v("dbus-fast"), \
+	          "hypothesis", hypothesis.__version__)'
 	PYTHONPATH=$(CURDIR) $(DEBPY) $(PYTEST) tests/unit
 
 test-integration:
@@ -55,6 +61,10 @@ test-lab:
 test-lab-containers:
 	$(PY) $(PYTEST) tests/lab/test_lab_containers.py
 
+# the Debian 13 lab alone (lab.TRIXIE: the package built on Debian 13, the service on it)
+test-lab-debian13:
+	$(PY) $(PYTEST) tests/lab/test_lab_debian13.py
+
 # the sid lab alone
 test-lab-modern:
 	$(PY) $(PYTEST) tests/lab/test_lab_partitions.py -k "not debian12"
@@ -67,8 +77,7 @@ run:
 
 # man pages from their scdoc sources in docs/man
 man:
-	mkdir -p build/man
-	for f in docs/man/*.scd; do scdoc < $$f > build/man/$$(basename $$f .scd) || exit 1; done
+	sh scripts/man.sh build/man
 
 bench-service:
 	PYTHONPATH=$(CURDIR) $(PY) bench/service.py
@@ -86,6 +95,10 @@ bench-irq:
 bench-lending:
 	PYTHONPATH=$(CURDIR) $(PY) bench/lending.py
 
+# no VM: what reading a busy owner's threads costs the lending loop, on this machine's /proc
+bench-lending-read:
+	PYTHONPATH=$(CURDIR) $(PY) bench/lending_read.py
+
 # any local user's bulk reads against the daemon on a private bus (no container; as root)
 bench-bus:
 	PYTHONPATH=$(CURDIR) $(PY) bench/bus.py
@@ -95,5 +108,17 @@ bench-bus:
 bench-near:
 	PYTHONPATH=$(CURDIR) $(PY) bench/near.py
 
+# reading how 3,000 allocations fare from a fake cgroup tree on tmpfs (issue 39)
+bench-figures:
+	PYTHONPATH=$(CURDIR) $(PY) bench/figures.py
+
 deb:
 	bash scripts/build-deb.sh
+
+# Another Debian release from this machine, in a chroot: lint, both unit tiers, the package
+# with lintian (scripts/test-release.sh); one summary line
+test-debian13:
+	bash scripts/test-release.sh 13
+
+test-debian12:
+	bash scripts/test-release.sh 12

@@ -6,6 +6,7 @@ uid 65534 keeping 128 GetManagedObjects, GetAll and Introspect calls pending on 
 connections. Prints:
 
     bus_flood ping_p99_ms idle=<f> loaded=<f> allocate_ms idle=<f> loaded=<f> ratio=<f>
+    bus_flood read_p99_ms idle=<f> loaded=<f> (another user's GetAllocation)
     bus_flood loop_late_ms p50=<f> p99=<f> max=<f> replies=<n> refused=<n>
     bus_read_ms GetManagedObjects cold=<f> warm=<f> GetAll=<f> Introspect=<f>
 
@@ -72,6 +73,8 @@ def main() -> int:
           f"loaded={loaded['ping_p99'] * 1000:.1f} allocate_ms idle={idle['allocate'] * 1000:.1f} "
           f"loaded={loaded['allocate'] * 1000:.1f} "
           f"ratio={loaded['allocate'] / idle['allocate']:.2f}")
+    print(f"bus_flood read_p99_ms idle={idle['read_p99'] * 1000:.1f} "
+          f"loaded={loaded['read_p99'] * 1000:.1f} (another user's GetAllocation)")
     print(f"bus_flood loop_late_ms p50={statistics.median(late):.1f} "
           f"p99={late[int(len(late) * 0.99)]:.1f} max={late[-1]:.1f} "
           f"replies={served['replies']} refused={sum(served['errors'].values())}")

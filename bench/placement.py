@@ -9,6 +9,7 @@ smt_split_full_pcpus=<n> mean_fragmented_cores=<f> half_cores_while_whole_free=<
     churn seed=<n> policy=all ... median_us=<f> repack=off|on movable=0.3 repack_moves=<n> \
 fragmentation_refusals=<n> repack_median_us=<f> repack_worst_us=<f>
     repack_worst_us cpus=1024 allocs=<n> requests=<n> repacked=<n> <float>
+    repack_ordered_worst_us cpus=1024 allocs=<n> requests=<n> repacked=<n> <float>
     defragment cpus=1024 allocs=<n> moves=<n> whole_free_cores_before=<n> after=<n> us=<float>
     capacity_worst_us cpus=1024 <float>
     capacity_worst_us cpus=1024 isolated=8 <float>
@@ -47,7 +48,9 @@ fragmentation, the moves after which it fits), policy=all only, and add:
 numa_avoidable_spans and smt_split_full_pcpus count the requests' own CPUs as before; a moved
 allocation is checked to keep its quality (moves.problems) and the run stops if one does not.
 bench/repack.py adds the 1,024-CPU lines: the slowest repack of refused full-pcpus requests on a
-fragmented ledger of about 1,000 allocations, and one defragment of it.
+fragmented ledger of about 1,000 allocations, the same with each result checked for a safe order
+of its transaction as the daemon checks it (repack_ordered_worst_us, issue 37), and one
+defragment of it.
 
 ``bench/placement.py --seeds 1,2,3,4,5`` runs other seeds (default 1,2,3), ``--movable 0.3,1``
 other shares of movable requests (default 0.3).

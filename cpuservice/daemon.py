@@ -21,7 +21,7 @@ from dbus_fast.aio import MessageBus
 
 from cpuservice import __version__
 from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
-from cpuservice.host import journal, metrics, notify
+from cpuservice.host import figure_metrics, journal, metrics, notify
 from cpuservice.host.authz import Authority
 from cpuservice.host.checkpoint import Store
 from cpuservice.host.hotplug import CPUMonitor, Debouncer
@@ -30,9 +30,11 @@ from cpuservice.host.sysfs import discover
 from cpuservice.host.systemd import Systemd
 from cpuservice.model import config
 from cpuservice.shell.engine import Engine
+from cpuservice.shell.health import HealthMonitor
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.ports import KernelAPI, SystemdAPI
 from cpuservice.shell.service import Service
+from cpuservice.shell.statistics import Sampler
 
 log = logging.getLogger("cpuserviced")
 EXIT_CONFIG = 78
@@ -54,13 +56,21 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
     return service
 
 
-def metrics_file(cfg: config.Config, service: Service) -> metrics.Textfile | None:
+def metrics_file(cfg: config.Config, service: Service,
+                 sampler: Sampler | None = None) -> metrics.Textfile | None:
+    """The metrics file; with ``sampler``, each allocation's figures as it last read them."""
     if not cfg.metrics_file:
         return None
     store = service.engine.store
-    return metrics.Textfile(cfg.metrics_file, lambda: metrics.render(
-        service.topology, service.state, service.engine.counters, __version__,
-        (store.write_error is not None, store.write_failures)))
+
+    def render() -> str:
+        text = metrics.render(service.topology, service.state, service.engine.counters,
+                              __version__, (store.write_error is not None, store.write_failures))
+        if sampler is None or not sampler.interval:
+            return text
+        return text + figure_metrics.render(sampler.latest, service.ledger.allocations,
+                                            sampler.took, service.engine.strain)
+    return metrics.Textfile(cfg.metrics_file, render)
 
 
 async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> int:
@@ -90,7 +100,18 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if monitor is not None:
         monitor.attach(loop)
     manager = Manager(service, bus, Authority(bus))
-    textfile = metrics_file(cfg, service)
+    service.lending.rate = manager.rate  # lending counts against the owners' change rate
+    # every allocation's figures, read every statistics_seconds: its health, the metrics
+    sampler = Sampler(service.statistics, cfg.statistics_seconds)
+    health_monitor = HealthMonitor(service.engine, cfg.health_limits)
+    textfile = metrics_file(cfg, service, sampler)
+
+    def sampled() -> None:
+        health_monitor.observe(sampler.latest)
+        if textfile is not None:
+            textfile.changed()
+
+    sampler.on_sample = sampled
 
     def status() -> str:
         text = notify.status_text(service.ledger)
@@ -119,6 +140,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     notifier.start_watchdog()
     if textfile is not None:
         textfile.write()
+    sampler.start()
     async def drain() -> None:
         try:  # nothing stays lent that no one watches (a restart lends again when idle)
             await service.lending.shutdown()
@@ -129,6 +151,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     try:
         return await until_stopped(bus, loop, notifier, drain)
     finally:
+        await sampler.shutdown()
         notifier.stop_watchdog()
         if textfile is not None:
             textfile.remove()

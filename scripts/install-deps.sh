@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Install what a tier needs from Debian 12's packages (idempotent; run as root).
-#   scripts/install-deps.sh base|runtime|unit|integration|lab|deb|all ...
+# Install what a tier needs from the packages of the Debian release it runs on, 12 or 13
+# (idempotent; run as root).
+#   scripts/install-deps.sh base|runtime|unit|integration|lab|deb|release|all ...
 set -euo pipefail
+# systemd.pc (where debian/rules installs the units) is in systemd-dev from Debian 13 on, in
+# systemd itself before (Debian 12 has no systemd-dev); sid and testing have no VERSION_ID
+VERSION_ID=99
+[ -r /etc/os-release ] && . /etc/os-release
+systemd_pc=systemd-dev
+[ "${VERSION_ID%%.*}" -ge 13 ] 2>/dev/null || systemd_pc=systemd
 declare -A PKGS=(
   [base]="make python3 python3-venv python3-pip"
   [runtime]="python3 python3-dbus-fast python3-pydantic python3-pyudev dbus systemd polkitd"
-  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis scdoc prometheus"
+  [unit]="python3-dbus-fast python3-pydantic python3-pyudev python3-pytest python3-hypothesis scdoc man-db prometheus"
   [integration]="systemd systemd-container dbus polkitd util-linux"
   [lab]="qemu-system-x86 debootstrap linux-image-amd64 e2fsprogs"
-  [deb]="debhelper dh-python python3-all python3-setuptools pybuild-plugin-pyproject scdoc lintian fakeroot"
+  [deb]="build-essential debhelper dh-python python3-all python3-setuptools pybuild-plugin-pyproject
+         pkgconf $systemd_pc scdoc lintian fakeroot"
+  [release]="debootstrap util-linux"
 )
 want=()
 for tier in "${@:-all}"; do

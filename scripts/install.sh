@@ -27,11 +27,7 @@ install -d /usr/share/bash-completion/completions
 install -m644 "$src/scripts/completion/cpuservicectl" /usr/share/bash-completion/completions/
 ln -sf cpuservicectl /usr/share/bash-completion/completions/cpuservice-run
 if command -v scdoc >/dev/null; then
-    install -d /usr/local/share/man/man1 /usr/local/share/man/man5 /usr/local/share/man/man8
-    for f in "$src"/docs/man/*.scd; do
-        page=$(basename "$f" .scd)
-        scdoc < "$f" > "/usr/local/share/man/man${page##*.}/$page"
-    done
+    sh "$src/scripts/man.sh" /usr/local/share/man --sections
 fi
 install -d /usr/local/lib/systemd/catalog  # journalctl -x explains the audit entries
 install -m644 "$src/systemd/cpuservice.catalog" /usr/local/lib/systemd/catalog/

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's test command: set up everything on a fresh Debian 12 (as root) and run every
+# The README's test command: set up everything on a fresh Debian 12 or 13 (as root), run every
 # tier, each even after another failed. Prints each tier's time and, at the end, a table of
 # them and what failed; exits non-zero when any tier failed.
 set -uo pipefail

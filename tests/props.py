@@ -3,8 +3,9 @@ random one for exploration.
 
 - ``gate`` (the default; the README's test command and ``.ci/run``): ``derandomize=True`` and no
   example database, so every run on every machine draws the same examples. Both unit tiers run
-  the same hypothesis release (Debian 12's 6.67.1; ``pyproject.toml`` pins the venv to it), so
-  they draw the same examples too. A red gate is a real defect, never a new draw.
+  the same hypothesis release, the distribution's (python3-hypothesis: 6.67.1 on Debian 12,
+  6.130.5 on Debian 13; ``scripts/setup-venv.sh`` pins the venv to it), so they draw the same
+  examples too. A red gate is a real defect, never a new draw.
 - ``explore`` (``make test-explore``, ``CPUSERVICE_HYPOTHESIS=explore``): a fresh seed per run
   (``--hypothesis-seed``, printed by the target), ``CPUSERVICE_EXPLORE_SCALE`` times the
   examples (default 20), no database either. Whatever it finds becomes an explicit, named

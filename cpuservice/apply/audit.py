@@ -14,7 +14,8 @@ change a D-Bus caller asked for), and OBJECT_SYSTEMD_UNIT (so that
 ``journalctl -u cpuservice-bound-NAME.slice`` shows them too: journalctl matches that field
 from root's processes). Kind-specific: CPUSERVICE_SCOPE and CPUSERVICE_PIDS (attached),
 CPUSERVICE_LOST and CPUSERVICE_GAINED (repaired), CPUSERVICE_SOURCE (restored), CPUSERVICE_OLD
-and CPUSERVICE_NEW (moved), CPUSERVICE_LENT (lent), CPUSERVICE_WITHDRAWN (withdrawn).
+and CPUSERVICE_NEW (moved), CPUSERVICE_LENT (lent), CPUSERVICE_WITHDRAWN (withdrawn),
+CPUSERVICE_HEALTH (health: the reasons its figures raise now, cpuservice.model.health).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class Kind(StrEnum):
     MOVED = "moved"
     LENT = "lent"
     WITHDRAWN = "withdrawn"
+    HEALTH = "health"
 
 
 # One 128-bit id per kind, never to change (journalctl MESSAGE_ID=...); listed in cpuserviced(8).
@@ -60,6 +62,7 @@ MESSAGE_IDS: Mapping[Kind, str] = MappingProxyType({
     Kind.MOVED: "1c704dcf36414be9b04ca45da7747761",
     Kind.LENT: "4ee815ce83674ed694a5eb7e64f06d41",
     Kind.WITHDRAWN: "e1994a7e6c7c49a2930314a0e5974293",
+    Kind.HEALTH: "d92d6fdb91b946a5905a3e2fae7b2dab",
 })
 
 
@@ -104,6 +107,8 @@ class Event:
             text += f", lends CPUs {details.get('LENT', '')} to borrowers"
         if self.kind == Kind.WITHDRAWN:
             text += f", took CPUs {details.get('WITHDRAWN', '')} back from borrowers"
+        if self.kind == Kind.HEALTH:
+            text += f", {details.get('HEALTH') or 'no'} health reasons from its figures"
         return f"{text} ({self.reason})" if self.reason else text
 
     def fields(self) -> dict[str, str]:

@@ -38,7 +38,8 @@ _STATE = re.compile(r"(member|root|isolated)( invalid(?: \((.*)\))?)?")
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What this host can do about partitions, as detected at startup."""
+    """What this host can do about partitions, and whether it can lend (option lend; see
+    cpuservice.host.cgroup.detect_lending), as detected at startup."""
 
     systemd_version: str = ""
     systemd_property: bool = False  # systemd knows CPUSetPartition= (>= 261)
@@ -46,6 +47,8 @@ class Capabilities:
     kernel_reason: str = ""
     near: tuple[str, ...] = ()  # what option near can look up here (cpuservice.model.near.KINDS)
     devices: tuple[Device, ...] = ()  # the devices option near can name here, as at startup
+    lending: bool = False  # cgroup v2 with the cpu controller, /proc/PID/schedstat
+    lending_reason: str = "not detected yet"
 
     @property
     def partitions(self) -> bool:
@@ -73,6 +76,8 @@ class Capabilities:
             "NearKinds": ("as", list(self.near)),
             "NearDevices": ("a(siss)", [[d.name, NO_NODE if d.node is None else d.node,
                                          d.kind, d.address] for d in self.devices]),
+            "Lending": ("b", self.lending),
+            "LendingUnavailable": ("s", "" if self.lending else self.lending_reason),
         }
 
 

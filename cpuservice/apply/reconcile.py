@@ -19,7 +19,15 @@ Revalidate and hotplug repair. The ordering rule, stated once:
          slice that becomes a partition gets its AllowedCPUs first and its partition after.
          Units that wait for each other (two that swap CPUs, a longer cycle) pass through the
          non-exclusive CPUs (the shared pool's): one of them moves there first (a partition
-         stops being one before), the others follow, it goes last.
+         stops being one before), the others follow, it goes last. When there are none (a
+         move swaps CPUs with the whole shared pool), they narrow for a moment instead: the
+         units holding what one of them waits for shrink off it (to one CPU, if need be),
+         and that one takes what is free of its target; or one steps aside onto a CPU no
+         unit holds yet (a new unit's: new units start last) (cpuservice.apply.waits). A
+         change with no such order found (units holding one CPU each that swap, nothing
+         free) is refused before anything is touched (NoSafeOrder): never applied out of
+         order (what cannot be refused, a restart's, passes those allocations through the
+         shared pool instead: cpuservice.shell.recovery.through_pool).
     The one exception: a CPU its owner lends (cpuservice.model.lending) may be in the owner's
     unit and the borrow slice at once; it is lent by growing the borrow slice (step 3) and
     withdrawn by shrinking it (step 1), and nothing ever passes through it.
@@ -39,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, runtime_checkable
 
+from cpuservice.apply import waits
 from cpuservice.apply.ops import CPUS as CPUS
 from cpuservice.apply.ops import NOT_PARTITION as NOT_PARTITION
 from cpuservice.apply.ops import PARTITION as PARTITION
@@ -48,6 +57,7 @@ from cpuservice.apply.ops import Transaction as Transaction
 from cpuservice.apply.ops import Units as Units
 from cpuservice.apply.ops import UnitSpec as UnitSpec
 from cpuservice.apply.ops import mask as _mask
+from cpuservice.apply.waits import NoSafeOrder as NoSafeOrder
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.props import Props
 
@@ -67,13 +77,14 @@ def _differs(want: Props, have: Props) -> dict[str, tuple[str, Any]]:
 
 
 def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
-         lent: CPUSet = EMPTY, sharer: str = "") -> Transaction:
+         lent: CPUSet = EMPTY, sharer: str = "", shared: CPUSet = EMPTY) -> Transaction:
     """The operations that take systemd from ``before`` to ``after``. ``exclusive``: the CPUs
     that are whole CPUs of a bound allocation before or after (the ones the rule protects);
     units are otherwise allowed to share CPUs (the shared pool, fragment CPUs). ``lent``: those
     lent (lending.shareable), which the unit ``sharer`` (the borrow slice) may hold besides the
     one other unit that holds them (their owner's): they are protected from every other unit
-    as usual."""
+    as usual. ``shared``: the shared pool after the change, whose holders may hold its CPUs
+    together while they get them. Raises NoSafeOrder when no order keeps the rule."""
     ops: list[Op] = []
     unsafe = exclusive | lent
 
@@ -125,75 +136,16 @@ def plan(before: Units, after: Units, exclusive: CPUSet = EMPTY,
 
     # 3. grow, set what else changed, start new units; a unit whose new exclusive CPUs a unit
     # not yet handled still holds waits until that one has moved
-    pending = sorted(after)
     # CPUs any unit may hold for a moment (the shared pool's): of the units after the change,
     # so online ones (before a hotplug repair, units may name CPUs that went offline)
     mentioned = CPUSet.union_all(c for spec in after.values() if (c := spec.cpus) is not None)
-    parking = mentioned - unsafe
-    while pending:
-        wants = {u: None if (c := after[u].cpus) is None else claim(u, c) for u in pending}
-        ready = [u for u in pending if not _waits(u, wants[u], pending, holding, exclusive)]
-        if not ready:
-            # units that swap CPUs, or a longer cycle: one of them moves to the parking CPUs
-            # first (a partition stops being one before), the others follow, it last
-            parked = _park(pending, wants, now, holding, exclusive, parking)
-            if parked is None:
-                log.error("reconcile: units %s wait for each other's CPUs and no CPU is free "
-                          "to pass through; applying in name order", ", ".join(pending))
-                ready = list(pending)
-            else:
-                ops.extend(parked)
-                continue
-        for unit in ready:
-            pending.remove(unit)
-            ops.extend(_final(unit, now.get(unit), after[unit]))
-            will = wants[unit]
-            if will is None:
-                holding.pop(unit, None)
-            else:
-                holding[unit] = will
-    return Transaction(tuple(ops))
-
-
-def _park(pending: Sequence[str], wants: Mapping[str, CPUSet | None],
-          now: dict[str, UnitSpec], holding: dict[str, CPUSet], exclusive: CPUSet,
-          parking: CPUSet) -> list[Op] | None:
-    """Break a cycle of units waiting for each other's exclusive CPUs: the first unit that holds
-    exclusive CPUs another one waits for (one that is not a partition, when there is one) moves
-    to ``parking`` (non-exclusive CPUs); ``now`` and ``holding`` follow. None: nothing to
-    park on."""
-    if not parking:
-        return None
-
-    def waited_for(unit: str) -> bool:
-        held = holding[unit] & exclusive
-        return any(v != unit and (wants[v] or EMPTY) & held for v in pending)
-
-    blocking = [u for u in pending if u in holding and waited_for(u)]
-    if not blocking:
-        return None
-    unit = next((u for u in blocking if not _is_partition(now[u])), blocking[0])
-    ops = []
-    had = now[unit].props
-    if _is_partition(now[unit]):
-        ops.append(Op(Kind.SET, unit, {PARTITION: ("s", "member")}, {PARTITION: had[PARTITION]}))
-        had = {**had, PARTITION: ("s", "member")}
-    ops.append(Op(Kind.SET, unit, {CPUS: _mask(parking)}, {CPUS: had[CPUS]}))
-    now[unit] = replace(now[unit], props={**had, CPUS: _mask(parking)})
-    holding[unit] = parking
-    return ops
-
-
-def _is_partition(spec: UnitSpec) -> bool:
-    value = spec.props.get(PARTITION)
-    return value is not None and value[1] not in NOT_PARTITION
-
-
-def _waits(unit: str, will: CPUSet | None, pending: Sequence[str], holding: Mapping[str, CPUSet],
-           exclusive: CPUSet) -> bool:
-    if will is None or not will & exclusive:
-        return False
-    return any(u != unit and u in holding and holding[u] & will & exclusive for u in pending)
+    rule = waits.Rule(exclusive, shared, mentioned - unsafe, (mentioned & exclusive) - lent,
+                      claim)
+    walk = waits.Walk(after, rule, _final)
+    rest = walk.order(sorted(after), now, holding)
+    if rest is None:
+        raise NoSafeOrder(walk.stuck)
+    return Transaction(tuple(ops + rest))
 
 
 def _final(unit: str, before: UnitSpec | None, after: UnitSpec) -> list[Op]:

@@ -4,7 +4,7 @@ Record objects), so a change costs what it touches, not what exists."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
@@ -95,6 +95,19 @@ class Targets:
                 record = state.records.get(name, Record())
                 out[record.unit] = self.spec(topology, state, name)
         return out
+
+    def shareable(self, topology: Topology, state: State, before: Mapping[str, UnitSpec]
+                  ) -> CPUSet:
+        """The CPUs the borrow slice may share with their owner while systemd is taken from
+        ``before`` to ``state`` (a sync): those ``state`` lends, less any that a unit other
+        than its owner's and the shared pool's holders still holds (a restart in the middle
+        of a change that gave it to the owner: exclusive as usual until that unit leaves)."""
+        owners = lending.lent_by(topology, state)
+        pool = {*self.shared_units, units.BORROW}
+        others = {c: {u for u, spec in before.items() if u not in pool and c in (spec.cpus or ())}
+                  for c in owners}
+        return CPUSet(c for c in lending.shareable((topology, state), (topology, state))
+                      if others[c] <= {state.records[owners[c]].unit})
 
     def spec(self, topology: Topology, state: State, name: str) -> UnitSpec:
         a = state.ledger.allocations[name]

@@ -11,6 +11,7 @@ from cpuservice.apply.units import NO_QUOTA
 from cpuservice.model import lending, near
 from cpuservice.model.alignment import misalignment
 from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.health import describe
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
@@ -34,9 +35,11 @@ def manager(ledger: Ledger, lent: CPUSet = EMPTY) -> dict[str, Any]:
 
 
 def allocation(topology: Topology, state: State, name: str,
-               partition: partitions.State | None = None) -> dict[str, Any]:
+               partition: partitions.State | None = None,
+               strain: tuple[str, ...] = ()) -> dict[str, Any]:
     """The org.cpuservice1.Allocation properties of one allocation (``partition``: what the
-    kernel reports of its slice's cpuset partition, when it asked for one)."""
+    kernel reports of its slice's cpuset partition, when it asked for one; ``strain``: the
+    health reasons its figures raised, cpuservice.model.health: Health only, not State)."""
     a = state.ledger.allocations[name]
     record = state.records.get(name, Record())
     p = placement.describe(topology, state.ledger, a)
@@ -55,7 +58,8 @@ def allocation(topology: Topology, state: State, name: str,
         "CPUWeight": p.cpu_weight, "MemoryNodes": p.memory_nodes.format(),
         "Unit": record.unit, "Owner": record.owner,
         "State": "degraded" if health else "active",
-        "Health": "degraded" if health else "ok", "HealthReason": health,
+        "Health": "degraded" if health or strain else "ok",
+        "HealthReason": "; ".join(filter(None, (health, describe(strain)))),
         "Aligned": not why, "AlignmentReason": "; ".join(why),
         "Lifetime": a.request.options.lifetime,
         "Movable": str(opts.movable),

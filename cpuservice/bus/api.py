@@ -17,6 +17,7 @@ from dbus_fast.service import ServiceInterface, dbus_property, method, signal
 from cpuservice import __version__
 from cpuservice.apply import views
 from cpuservice.apply.units import NO_QUOTA
+from cpuservice.bus import statistics
 from cpuservice.bus.callers import Callers
 from cpuservice.bus.objects import (
     ALLOCATION_SIGNATURES,
@@ -63,8 +64,10 @@ class Manager(Callers, ServiceInterface):
         self.objects: dict[str, Allocation] = {}
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         self._uids = OrderedDict()
+        self._asking = {}
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
         self.reads = Reads(bus, self)  # GetManagedObjects, GetAll, Introspect: in turn, cached
+        self.statistics = service.statistics  # GetStatistics: from the kernel, in turn
         service.subscribe(self)
 
     def export_all(self) -> None:
@@ -164,11 +167,11 @@ class Manager(Callers, ServiceInterface):
         Computed once per state (the state and the topology are replaced, never changed, on
         every change): GetAll and GetManagedObjects read every allocation's properties."""
         snap = snap or self.service.snapshot()
-        key = (snap.state, snap.topology, snap.partition_report(name))
+        key = (snap.state, snap.topology, snap.partition_report(name), snap.strain.get(name, ()))
         cached = self._values.get(name)
         if cached is None or any(a is not b for a, b in zip(cached[0], key, strict=True)):
             cached = self._values[name] = (key, views.allocation(snap.topology, snap.state,
-                                                                 name, key[2]))
+                                                                 name, key[2], key[3]))
         return cached[1]
 
     def manager_key(self, snap: Snapshot | None = None) -> tuple[object, ...]:
@@ -176,7 +179,8 @@ class Manager(Callers, ServiceInterface):
         state, topology, capabilities and interrupt report (each replaced, never changed) and
         the kernel's partition reports."""
         snap = snap or self.service.snapshot()
-        return (snap.state, snap.topology, snap.capabilities, snap.irqs, snap.partition_reports)
+        return (snap.state, snap.topology, snap.capabilities, snap.irqs, snap.partition_reports,
+                snap.strain)
 
     @method()
     @boundary
@@ -251,6 +255,12 @@ class Manager(Callers, ServiceInterface):
         if name not in self.service.ledger.allocations:
             raise NoSuchAllocation(f"no allocation named {name!r}")
         return path_of(name)
+
+    @method()
+    @boundary
+    @in_turn
+    async def GetStatistics(self, names: "as") -> "a{sa{sv}}":
+        return await statistics.reply(self.statistics, names)
 
     @method()
     @boundary

@@ -3,6 +3,7 @@ answer for an action, the per-user rate of changes (a mixin of cpuservice.bus.ap
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 
 from dbus_fast.aio import MessageBus
@@ -22,6 +23,7 @@ class Callers:
     authority: Authority
     rate: RateLimit
     _uids: OrderedDict[str, int]
+    _asking: dict[str, asyncio.Future[int]]  # uids being asked of the bus
 
     async def authorize(self, action: str) -> int:
         """The caller's uid, once polkit allows ``action`` (uid 0 needs no asking)."""
@@ -63,12 +65,24 @@ class Callers:
         return True
 
     async def _caller_uid(self) -> int:
-        """The caller's uid from the bus (unique names are never reused: cache them)."""
+        """The caller's uid from the bus."""
         sender = current_call.get()[0]
         if not sender:  # only a peer-to-peer connection has none: not the system bus's word
             raise AccessDenied("a call that names no sender is not accepted")
+        return await self.uid_of(sender)
+
+    async def uid_of(self, sender: str) -> int:
+        """The uid of a bus connection, asked of the bus once (unique names are never reused:
+        cached; the calls pipelined on a new connection wait for one answer)."""
         if sender in self._uids:
             return self._uids[sender]
+        asking = self._asking.get(sender)
+        if asking is None:
+            asking = self._asking[sender] = asyncio.ensure_future(self._ask_uid(sender))
+            asking.add_done_callback(lambda _: self._asking.pop(sender, None))
+        return await asyncio.shield(asking)
+
+    async def _ask_uid(self, sender: str) -> int:
         try:
             (uid,) = await dbuscall.call(self.bus, *dbuscall.BUS, "GetConnectionUnixUser", "s",
                                          [sender])
@@ -77,4 +91,4 @@ class Callers:
         self._uids[sender] = int(uid)
         while len(self._uids) > 4096:
             self._uids.popitem(last=False)
-        return self._uids[sender]
+        return int(uid)

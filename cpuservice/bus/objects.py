@@ -7,6 +7,7 @@ else is logged and answered with a generic error, so no caller ever sees a trace
 (No ``from __future__ import annotations`` here: dbus-fast reads the signature annotations.)
 """
 
+import collections
 import contextvars
 import functools
 import logging
@@ -133,6 +134,15 @@ ALLOCATION_SIGNATURES = {
 }
 
 
+class _Fifo(collections.deque):  # type: ignore[type-arg]
+    """dbus-fast's queue of messages to write, taken oldest first. dbus-fast 1.84 (Debian 12)
+    takes the newest first (``pop``): messages queued behind a large one left in reverse, a
+    PropertiesChanged before the InterfacesAdded it follows. 5.x takes ``popleft``."""
+
+    def pop(self, *_: Any) -> Any:
+        return self.popleft()
+
+
 class _Sender:
     """The bus socket as dbus-fast's writer sees it, where a full socket means "wait".
 
@@ -160,13 +170,15 @@ class Bus(MessageBus):
     """dbus-fast sends InterfacesAdded/InterfacesRemoved itself on export/unexport, from the
     object's own path; the D-Bus specification has them come from the ObjectManager's path
     (/org/cpuservice1). The Manager sends them, with the values it is handed. A full socket
-    makes the writer wait instead of dropping the connection (``_Sender``)."""
+    makes the writer wait instead of dropping the connection (``_Sender``), and messages leave in
+    the order they were sent on every dbus-fast release (``_Fifo``)."""
 
     async def connect(self) -> "Bus":
         await super().connect()
         writer = getattr(self, "_writer", None)
         if writer is not None and not isinstance(getattr(writer, "sock", None), _Sender):
             writer.sock = _Sender(writer.sock)
+            writer.messages = _Fifo(writer.messages)
         return self
 
     def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:

@@ -39,7 +39,7 @@ from cpuservice.bus.objects import (
     current_call,
     path_of,
 )
-from cpuservice.model.errors import LimitExceeded
+from cpuservice.model.errors import CPUServiceError, LimitExceeded
 from cpuservice.shell.engine import Snapshot
 
 log = logging.getLogger(__name__)
@@ -110,6 +110,8 @@ class Host(Protocol):
 
     def snapshot(self) -> Snapshot: ...
 
+    async def uid_of(self, sender: str) -> int: ...
+
     def allocation_values(self, name: str, snap: Snapshot | None = None) -> dict[str, Any]: ...
 
     def manager_key(self, snap: Snapshot | None = None) -> tuple[object, ...]:
@@ -159,6 +161,9 @@ class Reads:
         """Take the bulk reads of cpuservice's objects (True: handled here)."""
         if msg.message_type is not MessageType.METHOD_CALL:
             return False
+        if (msg.flags & MessageFlag.NO_REPLY_EXPECTED and msg.interface == MANAGER_IFACE
+                and msg.member in IN_TURN):
+            return True  # a read whose answer no one wants: no turn spent on it
         answer = self._answerer(msg)
         if answer is None:
             return False
@@ -185,7 +190,7 @@ class Reads:
 
     async def _answer(self, msg: Message, answer: Answer) -> None:
         try:
-            async with self.turns.turn(msg.sender or "") as turn:
+            async with self.turns.turn(await self.caller(msg.sender or "")) as turn:
                 if self.bus.connected:  # (a daemon that stops has no one to answer)
                     reply = await answer(msg)
                     turn.sent = len(reply.prepared) if isinstance(reply, Prepared) else 0
@@ -203,6 +208,14 @@ class Reads:
         if self.bus.connected:
             self.bus.send(reply)
 
+    async def caller(self, sender: str) -> str:
+        """Whose turn a call of ``sender`` takes: its user's (a user's connections share one
+        place in the round), or the connection's when the bus does not say."""
+        try:
+            return f"uid {await self.host.uid_of(sender)}"
+        except CPUServiceError:
+            return f"connection {sender}"
+
     # ---- the answers ----
 
     async def _managed_objects(self, msg: Message) -> Message:
@@ -217,21 +230,27 @@ class Reads:
         key = self.host.manager_key(snap)
         cached = self._managed.get(path)
         if cached is None or not _same(cached[0], key):
-            cached = self._managed[path] = (key, await self._build(path, snap))
+            body = await self._build(path, snap, SLICE)
+            snap = self.host.snapshot()
+            if not _same(key, now := self.host.manager_key(snap)):
+                # a change committed meanwhile and sent its signals: a reply of the state before
+                # it, sent after them, would leave a client with objects that are gone
+                key, body = now, await self._build(path, snap, None)
+            cached = self._managed[path] = (key, body)
         return Prepared(msg, MANAGED, cached[1])
 
-    async def _build(self, path: str, snap: Snapshot) -> bytes:
+    async def _build(self, path: str, snap: Snapshot, pause: float | None) -> bytes:
         """A GetManagedObjects body as of ``snap``. After a change every allocation's values
-        are computed again (18 ms at 1,000 allocations): the loop is yielded every few
-        milliseconds meanwhile, so that a change's next step or the lending loop's sample does
-        not wait for all of it (other reads do: the turn is held)."""
+        are computed again (18 ms at 1,000 allocations): the loop is yielded every ``pause``
+        seconds meanwhile, so that a change's next step or the lending loop's sample does not
+        wait for all of it (other reads do: the turn is held); None: not yielded."""
         entries = []
         if path in ("/", "/org") and self.manager is not None:
             entries.append(entry_bytes(PATH, {MANAGER_IFACE: self._manager_values()}))
         since = time.monotonic()
         for name in sorted(snap.state.ledger.allocations):
             entries.append(self._entry(path_of(name), self.host.allocation_values(name, snap)))
-            if time.monotonic() - since > SLICE:
+            if pause is not None and time.monotonic() - since > pause:
                 await asyncio.sleep(0)
                 since = time.monotonic()
         return managed_body(entries)
@@ -271,6 +290,8 @@ class Reads:
             if self._manager_body is None or not _same(self._manager_body[0], key):
                 self._manager_body = (key, body_bytes("a{sv}", self._manager_values()))
             return Prepared(msg, "a{sv}", self._manager_body[1])
+        if path not in self.allocations:
+            return _gone(msg)
         values = self._values(path)
         cached = self._getall.get(path)
         if cached is None or cached[0] is not values:
@@ -285,6 +306,8 @@ class Reads:
         if path == PATH:
             values = self._manager_values()
             value = values.get(name)
+        elif path not in self.allocations:
+            return _gone(msg)
         else:
             plain = self._values(path)
             value = Variant(ALLOCATION_SIGNATURES[name], plain[name]) if name in plain else None
@@ -317,6 +340,13 @@ class Reads:
         return node
 
 
+def _gone(msg: Message) -> Message:
+    """The answer to a read of an allocation released while the read waited (as dbus-fast
+    answers a path with no object)."""
+    return Message.new_error(msg, ErrorType.UNKNOWN_OBJECT.value,
+                             f'no interfaces at path: "{msg.path}"')
+
+
 def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     """Keys of values: the same objects (values that are replaced, never changed), or equal
     mappings (the partition reports, copied for every snapshot)."""
@@ -327,14 +357,19 @@ def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
+IN_TURN: set[str] = set()  # the Manager's methods that take turns (their names)
+
+
 def in_turn(fn: F) -> F:
     """A Manager method anyone may call (Plan, Capacity, ...) runs in its caller's turn, like
-    the bulk reads (inside ``boundary``: a refusal is LimitExceeded)."""
+    the bulk reads (inside ``boundary``: a refusal is LimitExceeded). It has no effect but its
+    answer: a call that wants none is not run (``Reads.handler``)."""
+    IN_TURN.add(fn.__name__)
 
     @functools.wraps(fn)
     async def wrapper(self: Any, *args: Any) -> Any:
         try:
-            async with self.reads.turns.turn(current_call.get()[0]):
+            async with self.reads.turns.turn(await self.reads.caller(current_call.get()[0])):
                 return await fn(self, *args)
         except Refused as exc:
             raise LimitExceeded(str(exc)) from None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -19,12 +18,19 @@ from typing import Any
 from dbus_fast import Message, MessageType
 
 from cpuservice import __version__
-from cpuservice.cli import ctl_export, ctl_lending, ctl_moves, topoview
+from cpuservice.cli import (
+    ctl_export,
+    ctl_figures,
+    ctl_lending,
+    ctl_moves,
+    ctl_top,
+    pipe,
+    topoview,
+)
 from cpuservice.cli.client import (
     ALLOCATION,
     DEST,
     EXIT_FAILURE,
-    EXIT_USAGE,
     MANAGER,
     PATH,
     UNLIMITED,
@@ -128,6 +134,7 @@ def parser() -> argparse.ArgumentParser:
     ctl_moves.add_parsers(sub)
     ctl_lending.add_parsers(sub)
     ctl_export.add_parser(sub)
+    ctl_top.add_parser(sub)
     return p
 
 
@@ -173,28 +180,6 @@ async def _list(c: Client, args: argparse.Namespace) -> int:
         print(text)
     if not args.no_legend and not args.quiet:
         print(f"\n{len(allocations)} allocation(s) listed.")
-    return 0
-
-
-def _wanted(args: argparse.Namespace) -> list[str]:
-    return [p for item in args.property for p in item.split(",") if p]
-
-
-async def _show(c: Client, args: argparse.Namespace) -> int:
-    props = await c.allocation(args.name)
-    props.pop("Path")
-    wanted = _wanted(args) or sorted(props)
-    unknown = [p for p in wanted if p not in props]
-    if unknown:
-        print(f"cpuservicectl: no property {', '.join(unknown)}; known: "
-              f"{', '.join(sorted(props))}", file=sys.stderr)
-        return EXIT_USAGE
-    if _json(args):
-        _print_json({k: props[k] for k in wanted}, args)
-        return 0
-    for key in wanted:
-        value = show_value(key, props[key])
-        print(value if args.value else f"{key}={value}")
     return 0
 
 
@@ -349,12 +334,12 @@ async def _revalidate(c: Client, args: argparse.Namespace) -> int:
     return 0
 
 
-HANDLERS = {"status": _status, "list": _list, "show": _show, "plan": _plan,
+HANDLERS = {"status": _status, "list": _list, "show": ctl_figures.show, "plan": _plan,
             "capacity": _capacity, "topology": _topology, "watch": _watch,
             "allocate": _allocate, "resize": _resize, "release": _release,
             "revalidate": _revalidate, "export": ctl_export.export,
             "defrag": lambda c, a: ctl_moves.defrag(c, a, a.json_mode if _json(a) else None),
-            "movable": ctl_moves.movable, "lend": ctl_lending.lend}
+            "movable": ctl_moves.movable, "lend": ctl_lending.lend, "top": ctl_top.top}
 
 
 async def _run(args: argparse.Namespace) -> int:
@@ -377,7 +362,9 @@ class Unreachable(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
-        return asyncio.run(_run(args))
+        status = asyncio.run(_run(args))
+        pipe.flush()
+        return status
     except dbuscall.CallError as exc:
         print(f"cpuservicectl: {explain(exc, not args.no_ask_password)}", file=sys.stderr)
         return exit_code(exc)
@@ -387,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 0
     except BrokenPipeError:  # `cpuservicectl topology | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        pipe.discard()
         return 0
     except (OSError, ConnectionError, EOFError) as exc:
         print(f"cpuservicectl: lost the connection to cpuserviced: {exc}; see: systemctl "

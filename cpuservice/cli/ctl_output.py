@@ -112,6 +112,10 @@ def show_value(key: str, value: Any) -> str:
         return timespan(int(value))
     if isinstance(value, bool):
         return "yes" if value else "no"
+    if value is None:  # a figure that is not known (GetStatistics)
+        return "[not set]"
+    if isinstance(value, list):
+        return " ".join(map(str, value))
     return str(value)
 
 

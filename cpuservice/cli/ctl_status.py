@@ -1,14 +1,14 @@
 """``cpuservicectl status [NAME]``: the pools at a glance, or one allocation with its CPUs,
 NUMA nodes, owner and the state of its unit as systemd reports it (org.freedesktop.systemd1's
-own properties: ActiveState, TasksCurrent, CPUUsageNSec, ...), plus the kernel's throttling
-counters of the unit's cgroup."""
+own properties: ActiveState, TasksCurrent, CPUUsageNSec, ...), plus how it fares as the kernel
+counts it in its cgroup (the Manager's GetStatistics: pressure, throttling, remote memory)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import Any
 
+from cpuservice.cli import ctl_figures
 from cpuservice.cli.client import NO_QUOTA, Client
 from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, percent, shares, user_name
 from cpuservice.host import dbuscall
@@ -20,7 +20,6 @@ UNIT_TYPES = {"slice": "Slice", "scope": "Scope", "service": "Service", "socket"
               "mount": "Mount", "swap": "Swap"}
 UNIT_PROPS = ("LoadState", "ActiveState", "SubState", "ActiveEnterTimestamp")
 CGROUP_PROPS = ("ControlGroup", "TasksCurrent", "CPUUsageNSec", "MemoryCurrent")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
 async def pools_status(c: Client, args: argparse.Namespace) -> int:
@@ -58,12 +57,14 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
               f"{'' if kinds else ' (' + str(caps.get('PartitionsUnavailable', '')) + ')'}")
         if "NearKinds" in caps:
             print(f"  Near:      {', '.join(caps['NearKinds']) or 'no device can be looked up'}")
+        if caps.get("Lending") is False:  # a daemon from before issue 37 does not say
+            print(f"  Lending:   no ({caps.get('LendingUnavailable', '')})")
     return 0
 
 
 async def unit_state(c: Client, unit: str) -> dict[str, Any]:
     """What systemd reports of ``unit`` (empty when systemd does not know it or cannot be
-    asked), with the kernel's throttling counters of its cgroup when they can be read."""
+    asked)."""
     try:
         (path,) = await c.call("GetUnit", "s", [unit], path=SYSTEMD[1], interface=SYSTEMD[2],
                                destination=SYSTEMD[0])
@@ -75,28 +76,15 @@ async def unit_state(c: Client, unit: str) -> dict[str, Any]:
         return {"LoadState": "not-loaded" if exc.name.endswith("NoSuchUnit") else "unknown"}
     out = {k: values[k] for k in UNIT_PROPS if k in values}
     out |= {k: cgroup[k] for k in CGROUP_PROPS if k in cgroup}
-    out |= throttling(str(cgroup.get("ControlGroup") or ""))
     return out
-
-
-def throttling(cgroup: str, root: Path = CGROUP_ROOT) -> dict[str, int]:
-    """nr_throttled and throttled_usec from the unit's cpu.stat (cgroup v2), if readable."""
-    if not cgroup:
-        return {}
-    try:
-        text = (root / cgroup.lstrip("/") / "cpu.stat").read_text()
-    except OSError:
-        return {}
-    stat = dict(line.split() for line in text.splitlines() if len(line.split()) == 2)
-    return {k: int(stat[k]) for k in ("nr_periods", "nr_throttled", "throttled_usec")
-            if k in stat}
 
 
 async def allocation_status(c: Client, args: argparse.Namespace) -> int:
     a = await c.allocation(args.name)
     unit = await unit_state(c, a["Unit"])
+    figures = (await ctl_figures.statistics(c, [args.name])).get(args.name)
     if args.json_mode is not JsonMode.OFF:
-        print(dumps(a | {"UnitState": unit}, args.json_mode))
+        print(dumps(a | {"UnitState": unit, "Statistics": figures}, args.json_mode))
         return 0
     active = unit.get("ActiveState", "unknown")
     state = f"{active} ({unit['SubState']})" if unit.get("SubState") else \
@@ -130,11 +118,10 @@ async def allocation_status(c: Client, args: argparse.Namespace) -> int:
     if tasks is not None and tasks != NO_QUOTA:
         lines.append(("Tasks", str(tasks)))
     usage = unit.get("CPUUsageNSec")
-    if usage is not None and usage != NO_QUOTA:
+    if usage is not None and usage != NO_QUOTA and "cpu-usage-usec" not in (figures or {}):
         lines.append(("CPU", cpu_time(int(usage) // 1000)))
-    if "nr_throttled" in unit:
-        lines.append(("Throttled", f"{unit['nr_throttled']} of {unit['nr_periods']} periods, "
-                                   f"{cpu_time(unit['throttled_usec'])}"))
+    if figures is not None:
+        lines += ctl_figures.status_lines(figures, a["MemoryNodes"])
     memory = unit.get("MemoryCurrent")
     if memory is not None and memory != NO_QUOTA:
         lines.append(("Memory", f"{int(memory) / 2**20:.1f}M"))

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 from collections.abc import Sequence
 from decimal import Decimal
 
 from cpuservice import placement
+from cpuservice.cli import pipe
 from cpuservice.host.sysfs import discover
 from cpuservice.model import nrt
 from cpuservice.model.cpuset import CPUSet
@@ -92,9 +92,11 @@ def render(topology: Topology, ledger: Ledger) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        status = _main(argv)
+        pipe.flush()
+        return status
     except BrokenPipeError:  # `cpuservice-plan ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        pipe.discard()
         return 0
 
 

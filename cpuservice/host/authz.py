@@ -168,10 +168,11 @@ class PidHandles:
 
 
 class RateLimit:
-    """At most ``per_minute`` changes (Allocate, Resize, Release, Attach) per user in any 60
-    seconds; 0: no limit. Each change of an unprivileged user may rewrite every interrupt's
-    affinity (isolate_irqs) and the shared pool's slices: a loop must not churn the host.
-    take() raises BusyError, saying when the next change is possible."""
+    """At most ``per_minute`` changes (Allocate, Resize, Release, Attach, and what lending
+    commits for the user's allocations) per user in any 60 seconds; 0: no limit. Each change
+    of an unprivileged user may rewrite every interrupt's affinity (isolate_irqs) and the
+    shared pool's slices: a loop must not churn the host. take() raises BusyError, saying
+    when the next change is possible; add() counts a change that happens anyway."""
 
     WINDOW = 60.0
 
@@ -180,16 +181,33 @@ class RateLimit:
         self.clock = clock
         self._times: dict[int, deque[float]] = {}
 
-    def take(self, uid: int) -> None:
-        if not self.per_minute:
-            return
+    def _recent(self, uid: int) -> deque[float]:
         now = self.clock()
         times = self._times.setdefault(uid, deque())
         while times and now - times[0] >= self.WINDOW:
             times.popleft()
-        if len(times) >= self.per_minute:
-            wait = self.WINDOW - (now - times[0])
+        return times
+
+    def take(self, uid: int, ceiling: int | None = None) -> None:
+        """One more change by ``uid``; BusyError once it made ``ceiling`` (default:
+        per_minute) in the last minute."""
+        if not self.per_minute:
+            return
+        times = self._recent(uid)
+        limit = self.per_minute if ceiling is None else min(ceiling, self.per_minute)
+        if len(times) >= limit:
+            wait = self.WINDOW - (self.clock() - times[0])
             raise BusyError(f"user {uid} made {len(times)} changes in the last minute; the "
-                            f"limit is max_changes_per_user_per_minute={self.per_minute}; "
+                            f"limit is max_changes_per_user_per_minute={self.per_minute}"
+                            f"{'' if limit == self.per_minute else f' ({limit} for this)'}; "
                             f"try again in {wait:.0f} s")
-        times.append(now)
+        times.append(self.clock())
+
+    def add(self, uid: int) -> None:
+        """A change by ``uid`` that is never refused (a withdrawal of lent cores), counted."""
+        if self.per_minute:
+            self._recent(uid).append(self.clock())
+
+    def count(self, uid: int) -> int:
+        """The changes ``uid`` made in the last minute."""
+        return len(self._recent(uid)) if uid in self._times else 0

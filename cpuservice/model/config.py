@@ -28,6 +28,7 @@ from pydantic import Field, StrictBool, StrictStr, confloat, conint
 from cpuservice.model import compat
 from cpuservice.model.cpuset import CPUSet, CPUSetError
 from cpuservice.model.errors import InvalidArgument
+from cpuservice.model.health import Limits
 from cpuservice.model.request import OPTION_KEYS, Options, parse_options
 
 NAME = "cpuservice.toml"
@@ -40,6 +41,8 @@ _CPU_LIMIT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,3})?%?")
 # the default paths, which the errors about the keys offer as the fix
 STATE_EXAMPLE = "/var/lib/cpuservice/state.json"
 METRICS_EXAMPLE = "/var/lib/prometheus/node-exporter/cpuservice.prom"
+HEALTH_NUMBERS = ("health_pressure_percent", "health_throttled_percent",
+                  "health_memory_remote_percent", "health_seconds")
 
 
 class ConfigError(ValueError):
@@ -62,6 +65,15 @@ class Config(compat.StrictModel):
     max_changes_per_user_per_minute: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=1_000_000) = 600
     metrics_file: StrictStr = METRICS_EXAMPLE
+    # how often the daemon reads every allocation's figures (pressure, usage, throttling,
+    # remote memory: issue 39) for its health and the metrics file (0: never by itself), and
+    # the thresholds of the health reasons they raise, in percent (0: that reason is off), with
+    # how long a figure must stay past its threshold (below half of it to clear the reason)
+    statistics_seconds: conint(strict=True, ge=0, le=3600) = 10  # type: ignore[valid-type]
+    health_pressure_percent: confloat(ge=0.0, le=100.0) = 20.0  # type: ignore[valid-type]
+    health_throttled_percent: confloat(ge=0.0, le=100.0) = 20.0  # type: ignore[valid-type]
+    health_memory_remote_percent: confloat(ge=0.0, le=100.0) = 20.0  # type: ignore[valid-type]
+    health_seconds: confloat(ge=0.0, le=86400.0) = 30.0  # type: ignore[valid-type]
     max_moves_per_allocation_per_hour: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=3600) = 4
     # lending idle whole cores (option lend, cpuservice.model.lending): the owner's load on
@@ -82,6 +94,11 @@ class Config(compat.StrictModel):
         if text.endswith("%"):
             return Decimal(online) * number / 100
         return number
+
+    @property
+    def health_limits(self) -> Limits:
+        return Limits(self.health_pressure_percent, self.health_throttled_percent,
+                      self.health_memory_remote_percent, self.health_seconds)
 
     @property
     def reserved(self) -> CPUSet:
@@ -154,6 +171,10 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
     idle = data.get("lend_idle_seconds")
     if idle is not None and (isinstance(idle, bool) or not isinstance(idle, int | float)):
         raise ConfigError(f"{source}: lend_idle_seconds: {idle!r} is not a number of seconds")
+    for key in HEALTH_NUMBERS:
+        value = data.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ConfigError(f"{source}: {key}: {value!r} is not a number")
     limit = data.get("max_cpus_per_user")
     if isinstance(limit, str) and not _CPU_LIMIT.fullmatch(limit):
         raise ConfigError(f"{source}: max_cpus_per_user: {limit!r} is not a number of CPUs "

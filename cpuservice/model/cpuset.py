@@ -102,7 +102,8 @@ class CPUSet:
         """Decode systemd's little-endian byte mask."""
         if len(mask) > (MAX_CPU_ID + 1) // 8:
             raise CPUSetError(f"mask of {len(mask)} bytes is larger than {MAX_CPU_ID + 1} CPUs")
-        ids = [i * 8 + bit for i, byte in enumerate(mask) for bit in range(8) if byte >> bit & 1]
+        ids = [i * 8 + bit for i, byte in enumerate(mask) if byte
+               for bit in range(8) if byte >> bit & 1]
         return cls._trusted(frozenset(ids))
 
     def to_mask(self) -> bytes:

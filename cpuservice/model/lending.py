@@ -1,7 +1,7 @@
 """Lending idle exclusive CPUs (issue 26), pure: which CPUs a bound allocation may lend (option
 ``lend``), which it lends now, which CPUs the borrow slice may share with their owner while a
-change is applied, and the controller step that decides, from the owner's load, when its cores
-are lent and when they are withdrawn.
+change is applied. The controller that decides, core by core, when they are lent and when they
+are withdrawn is cpuservice.model.lending_control.
 
 What is lent goes to ``cpuservice-borrow.slice`` (CPUWeight=idle), whose AllowedCPUs is the
 shared pool plus every CPU lent now; unbound allocations with option ``borrow`` run below it. The
@@ -17,9 +17,7 @@ borrower onto it), never a degraded allocation's.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from enum import StrEnum
-from typing import Protocol
+from dataclasses import replace
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.pools import Allocation
@@ -111,80 +109,3 @@ def with_lent(state: State, lent_now: Mapping[str, CPUSet]) -> State:
     for name, cpus in lent_now.items():
         records[name] = replace(records.get(name, Record()), lent=cpus)
     return State(state.ledger, records)
-
-
-# ---- the controller: when an owner's cores are lent and when they are withdrawn ----
-
-
-class Action(StrEnum):
-    NONE = "none"
-    LEND = "lend"
-    WITHDRAW = "withdraw"
-
-
-class Thresholds(Protocol):
-    """The configuration keys of the controller (cpuservice.model.config.Config has them)."""
-
-    @property
-    def lend_busy_percent(self) -> int: ...
-    @property
-    def lend_idle_percent(self) -> int: ...
-    @property
-    def lend_idle_seconds(self) -> float: ...
-
-
-@dataclass(frozen=True)
-class Lender:
-    """One lending allocation as the controller sees it: whether its cores are lent now, and
-    since when its load has stayed below the idle threshold (None: it has not)."""
-
-    lent: bool = False
-    idle_since: float | None = None
-
-
-def step(lender: Lender, load: float | None, now: float, cfg: Thresholds
-         ) -> tuple[Lender, Action]:
-    """One sample of the owner's ``load`` (percent of its lendable CPUs; None: it could not
-    be read, which counts as busy) at time ``now`` (seconds). Withdraw when the load is above
-    lend_busy_percent; lend once it has stayed below lend_idle_percent for
-    lend_idle_seconds; between the two thresholds nothing changes but the idle time starts
-    again (hysteresis)."""
-    if load is None or load > cfg.lend_busy_percent:
-        return Lender(False, None), Action.WITHDRAW if lender.lent else Action.NONE
-    if load < cfg.lend_idle_percent:
-        since = now if lender.idle_since is None else lender.idle_since
-        if not lender.lent and now - since >= cfg.lend_idle_seconds:
-            return Lender(True, since), Action.LEND
-        return Lender(lender.lent, since), Action.NONE
-    return Lender(lender.lent, None), Action.NONE
-
-
-def load_percent(before: tuple[float, int], after: tuple[float, int], cpus: int
-                 ) -> float | None:
-    """The owner's load between two readings of (time in seconds, cpu.stat usage_usec), in
-    percent of ``cpus`` CPUs (None when it cannot be told: no time passed, no CPU, the
-    counter went back because the cgroup was made again)."""
-    seconds = after[0] - before[0]
-    used = after[1] - before[1]
-    if seconds <= 0 or cpus <= 0 or used < 0:
-        return None
-    return used / 1e6 / seconds / cpus * 100
-
-
-def resync(lenders_now: Mapping[str, Lender], topology: Topology, state: State,
-           now: float) -> dict[str, Lender]:
-    """The controller's lenders for ``state``: one per allocation that may lend, kept while
-    it agrees with what the state says is lent, derived from the state otherwise (at startup,
-    after a restart, after SetLending or a change that took the lent CPUs away): lent when the
-    state says so, idle from ``now``."""
-    out: dict[str, Lender] = {}
-    for name in lenders(state):
-        a = state.ledger.allocations[name]
-        if not lendable(topology, a):
-            continue
-        lending = bool(lent(topology, state, name))
-        known = lenders_now.get(name)
-        out[name] = known if known is not None and known.lent == lending else Lender(
-            lending, now if lending else None)
-    return out
-

@@ -47,10 +47,12 @@ def score(topology: Topology, ledger: Ledger) -> Score:
 
 
 def defragment(topology: Topology, ledger: Ledger,
-               allowed: Callable[[str], bool] = lambda _: True, budget: int = BUDGET
+               allowed: Callable[[str], bool] = lambda _: True, budget: int = BUDGET,
+               safe: Callable[[Ledger], bool] = lambda _: True
                ) -> tuple[Ledger, tuple[Move, ...]]:
     """The ledger after the moves and the moves, in the order made (none when no move raises
-    the score)."""
+    the score). A move after which the ledger is not ``safe`` (the caller's judgement of the
+    whole change so far: see repack) is not made."""
     core_of = topology.levels[3]
     current = score(topology, ledger)
     moved: dict[str, Move] = {}
@@ -71,7 +73,7 @@ def defragment(topology: Topology, ledger: Ledger,
                 continue
             after = ledger.with_allocation(new)
             better = score(topology, after)
-            if better > current:
+            if better > current and safe(after):
                 ledger, current, progress = after, better, True
                 moved[name] = Move(name, a, new)
                 free = ledger.allocatable

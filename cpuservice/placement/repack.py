@@ -58,14 +58,16 @@ def fragmented(ledger: Ledger, request: Request) -> bool:
 
 
 def repack(topology: Topology, ledger: Ledger, name: str, request: Request,
-           budget: int = BUDGET, allowed: Callable[[str], bool] = lambda _: True
-           ) -> Result | None:
+           budget: int = BUDGET, allowed: Callable[[str], bool] = lambda _: True,
+           safe: Callable[[Ledger], bool] = lambda _: True) -> Result | None:
     """Moves of movable allocations (``allowed`` by name, e.g. within their limit of moves per
     hour) after which ``request`` fits: the ledger after them with the new allocation in it (as
     ``allocate`` returns it), the new allocation, and the moves. None when it fits without
     moves (the caller allocates as usual), when it is not refused for fragmentation, or when no
-    moves the search finds within ``budget`` make it fit. Raises as ``allocate`` does for a bad
-    name or request."""
+    moves the search finds within ``budget`` make it fit. A result whose ledger is not ``safe``
+    (the caller's judgement: systemd cannot be taken there in an order that keeps every
+    exclusive CPU in one unit at a time) is passed over and the search goes on. Raises as
+    ``allocate`` does for a bad name or request."""
     validate_name(name)
     if name in ledger.allocations:
         raise AllocationExists(f"allocation {name!r} already exists")
@@ -76,7 +78,7 @@ def repack(topology: Topology, ledger: Ledger, name: str, request: Request,
         pass
     if not fragmented(ledger, request):
         return None
-    return _Search(topology, ledger, name, request, budget, allowed).run()
+    return _Search(topology, ledger, name, request, budget, allowed, safe).run()
 
 
 Key = tuple[int, int]  # a region: (level: 0 L3 group, 1 NUMA node, 2 socket, 3 machine; its id)
@@ -94,9 +96,10 @@ class _Region:
 
 class _Search:
     def __init__(self, topology: Topology, ledger: Ledger, name: str, request: Request,
-                 budget: int, allowed: Callable[[str], bool]) -> None:
+                 budget: int, allowed: Callable[[str], bool],
+                 safe: Callable[[Ledger], bool]) -> None:
         self.topology, self.ledger, self.name, self.request = topology, ledger, name, request
-        self.budget = budget
+        self.budget, self.safe = budget, safe
         self.movers = may_move(ledger, allowed)
         self.owner = {c: n for n, a in self.movers.items() for c in a.whole}
         self.free = ledger.allocatable
@@ -324,7 +327,7 @@ class _Search:
         node_of = self.topology.levels[1]
         key = (int(len({node_of[c] for c in a.held}) > 1), sum(m.cpus for m in moves),
                len(moves))
-        if self.best is None or key < self.best[0]:
+        if (self.best is None or key < self.best[0]) and self.safe(ledger.with_allocation(a)):
             self.best = key, (ledger.with_allocation(a), a, tuple(moves))
         return None
 

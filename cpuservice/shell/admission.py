@@ -85,20 +85,22 @@ async def place(engine: Engine, state: State, ask: Ask, moves: MoveLog | None = 
     if name in state.ledger.allocations:
         raise AllocationExists(f"allocation {name!r} already exists")
     unit, saved, fresh = await foreign.target_unit(engine.systemd, name, request, state.records)
+    records = {**state.records, name: Record(ask.owner, unit, saved, fresh=fresh)}
     moved: tuple[Move, ...] = ()
     try:
         ledger, allocation = placement.allocate(engine.topology, state.ledger, name, request)
     except InsufficientCPUs:
+        # moves systemd cannot be taken through safely (reconcile.NoSafeOrder) are passed over
         found = None if moves is None or not moves.limit else repack.repack(
             engine.topology, state.ledger, name, request,
-            allowed=lambda n: moves.allowed(n, list(pending).count(n)))
+            allowed=lambda n: moves.allowed(n, list(pending).count(n)),
+            safe=lambda after: engine.orderable(after, records))
         if found is None:
             raise
         ledger, allocation, moved = found
     if ask.limited:
         limits.check(engine.config, state.records, ask.owner, name, ledger)
-    record = Record(ask.owner, unit, saved, fresh=fresh)
-    return State(ledger, {**state.records, name: record}), allocation, moved
+    return State(ledger, records), allocation, moved
 
 
 async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = None,

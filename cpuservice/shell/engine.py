@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from cpuservice.apply import partitions, reconcile, units, views
 from cpuservice.apply.change import Basis, Change, Durability, Note
 from cpuservice.apply.reconcile import UnitSpec
 from cpuservice.apply.targets import Targets, partition_mode, partition_of
-from cpuservice.host import journal, metrics
+from cpuservice.host import cgroup, journal, metrics
 from cpuservice.host.checkpoint import Store
 from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
 from cpuservice.model import lending
@@ -25,10 +25,10 @@ from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, SystemdFailure
 from cpuservice.model.pools import Ledger, check_invariants
-from cpuservice.model.props import Props
-from cpuservice.model.state import State
+from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
 from cpuservice.shell import publish
+from cpuservice.shell.effector import Effector
 from cpuservice.shell.ports import (
     UNIT_IFACE,
     Events,
@@ -41,38 +41,6 @@ from cpuservice.shell.ports import (
 log = logging.getLogger(__name__)
 OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
                 "cpuservice-borrow-*.slice", f"{units.PARTITION_PREFIX}*.slice")
-class Effector:
-    """The reconcile transaction's effector: systemd for units, the kernel for the pseudo-units
-    of interrupts and workqueues (they only ever get AllowedCPUs)."""
-
-    def __init__(self, systemd: SystemdAPI, kernel: KernelAPI | None) -> None:
-        self.systemd, self.kernel = systemd, kernel
-
-    async def start_transient(self, unit: str, props: Props) -> None:
-        await self.systemd.start_transient(unit, props)
-
-    async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
-        if unit in KERNEL_HOLDERS:
-            if self.kernel is not None and "AllowedCPUs" in props:
-                await self.kernel.set_cpus(unit, CPUSet.from_mask(bytes(props["AllowedCPUs"][1])))
-            return
-        await self.systemd.set_properties(unit, props, missing_ok)
-
-    def batched(self, unit: str) -> bool:
-        return unit in KERNEL_HOLDERS
-
-    async def set_many(self, writes: Mapping[str, Props]) -> None:
-        """Both kernel holders in one write."""
-        wants = {u: CPUSet.from_mask(bytes(p["AllowedCPUs"][1]))
-                 for u, p in writes.items() if "AllowedCPUs" in p}
-        if self.kernel is not None and wants:
-            await self.kernel.set_many(wants)
-
-    async def stop(self, unit: str) -> None:
-        await self.systemd.stop(unit)
-
-    async def remove_overrides(self, unit: str, names: Sequence[str]) -> None:
-        await self.systemd.remove_overrides(unit, names)
 
 
 @dataclass(frozen=True)
@@ -85,6 +53,8 @@ class Snapshot:
     capabilities: partitions.Capabilities
     irqs: Report | None
     generation: int = 0  # changes committed since the start (the service counts them)
+    # allocation -> the health reasons its figures raised (cpuservice.shell.health)
+    strain: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def partition_report(self, name: str) -> partitions.State | None:
         return self.partition_reports.get(name)
@@ -122,7 +92,10 @@ class Engine:
         self.capabilities = partitions.Capabilities()
         self.partition_states: dict[str, partitions.State] = {}
         self.read_partition: Callable[[str], partitions.State | None] = partitions.read_state
+        # the health reasons of the allocations' figures (cpuservice.shell.health replaces it)
+        self.strain: Mapping[str, tuple[str, ...]] = MappingProxyType({})
         self.detect_kernel: Callable[[], tuple[bool, str]] = partitions.detect_kernel
+        self.detect_lending: Callable[[], tuple[bool, str]] = cgroup.detect_lending
         self.lock = asyncio.Lock()
 
     @property
@@ -147,27 +120,31 @@ class Engine:
         memo = self.targets.memo()  # a failed change leaves no spec of its own behind
         changed = self.targets.changed(old, new, change.touched)
         observed = change.basis is Basis.OBSERVED
-        if change.durability is Durability.FIRST:
-            self.store.save(new, changed)
-        elif change.durability is Durability.SERVE_READ_ONLY:
-            try:
-                self.store.save(new, changed)
-            except CheckpointWriteError as exc:
-                # what this change derived follows from the checkpoint and systemd again at the
-                # next start; changes that need a write are refused until one succeeds
-                log.error("%s: serving read-only, every change is refused until the state can "
-                          "be written", exc)
+        topology = change.topology or old_topology
+        tx = reconcile.Transaction(())
         try:
-            before = self.specs(old, changed)
-            self.topology = change.topology or old_topology
+            if not observed:  # planned before anything is touched: no safe order, no change
+                tx = self.plan((old_topology, old), (topology, new), changed)
+            if change.durability is Durability.FIRST:
+                self.store.save(new, changed)
+            elif change.durability is Durability.SERVE_READ_ONLY:
+                try:
+                    self.store.save(new, changed)
+                except CheckpointWriteError as exc:
+                    # what this change derived follows from the checkpoint and systemd again
+                    # at the next start; changes that need a write are refused until one
+                    # succeeds
+                    log.error("%s: serving read-only, every change is refused until the "
+                              "state can be written", exc)
+        except BaseException:
+            self.targets.restore(memo)
+            raise
+        try:
+            self.topology = topology
             if observed:
                 await reconcile.execute(reconcile.Transaction(change.steps), self.effector)
                 await self._sync(new)
             else:
-                tx = reconcile.plan(before, self.specs(new, changed),
-                                    old.ledger.exclusive | new.ledger.exclusive,
-                                    lending.shareable((old_topology, old), (self.topology, new)),
-                                    units.BORROW)
                 await reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
                                         self.effector)
             if change.durability is Durability.AFTER:
@@ -176,7 +153,9 @@ class Engine:
             log.error("applying a change failed, rolling back: %s", exc)
             self.topology = old_topology
             self.targets.restore(memo)
-            if observed or not (isinstance(exc, reconcile.Failed) and exc.clean):
+            # (no safe order of the sync: nothing of it was done, nothing to put back)
+            if (observed or not (isinstance(exc, reconcile.Failed) and exc.clean)) and not \
+                    isinstance(exc, reconcile.NoSafeOrder):
                 try:
                     await self._sync(old)
                 except Exception as again:
@@ -195,12 +174,40 @@ class Engine:
         before_partitions = dict(self.partition_states)
         await self.observe_partitions(changed)
         publish.publish(self.events, self.targets.forget, (old, old_topology, before_partitions),
-                        (new, self.topology, self.partition_states), changed, change.reasons)
+                        (new, self.topology, self.partition_states), changed, change.reasons,
+                        self.strain)
         for event in change.events:
             self.audit.send(event)
         for note in change.notes:
             self._audit(note, old, old_topology)
         self._committed()
+
+    def plan(self, old: tuple[Topology, State], new: tuple[Topology, State],
+             changed: Iterable[str]) -> reconcile.Transaction:
+        """The transaction from ``old`` to ``new`` (each with its topology) for the units of
+        the shared pool's holders and the ``changed`` allocations; NoSafeOrder when no order
+        of it keeps the ordering rule."""
+        names = set(changed)
+        return reconcile.plan(self.targets.specs(old[0], old[1], names),
+                              self.targets.specs(new[0], new[1], names),
+                              old[1].ledger.exclusive | new[1].ledger.exclusive,
+                              lending.shareable(old, new), units.BORROW, new[1].ledger.shared)
+
+    def orderable(self, ledger: Ledger, records: Mapping[str, Record] | None = None) -> bool:
+        """Whether the change from the state to ``ledger`` (with ``records``: the state's by
+        default) has an order that keeps the ordering rule (what re-packing and defragment
+        ask of the moves they choose). Leaves nothing of itself in the specs."""
+        new = State(ledger, self.state.records if records is None else records)
+        memo = self.targets.memo()
+        try:
+            self.plan((self.topology, self.state), (self.topology, new),
+                      self.targets.changed(self.state, new, None))
+        except reconcile.NoSafeOrder as exc:
+            log.info("moves refused: %s", exc)
+            return False
+        finally:
+            self.targets.restore(memo)
+        return True
 
     def subscribe(self, sink: Events) -> None:
         """``sink`` is told every committed change, with the values to publish."""
@@ -214,7 +221,8 @@ class Engine:
         """What readers (the bus, the CLI through it, the metrics) may see: immutable values of
         this instant, never the engine itself."""
         return Snapshot(self.state, self.topology, MappingProxyType(dict(self.partition_states)),
-                        self.capabilities, self.kernel.report if self.kernel else None)
+                        self.capabilities, self.kernel.report if self.kernel else None,
+                        strain=self.strain)
 
     async def settle(self) -> None:
         """Wait until the kernel holders have what was last applied to them (give-backs are
@@ -257,8 +265,8 @@ class Engine:
         # a dead slice of ours is stopped first, so that it can be started again
         stops = tuple(reconcile.Op(reconcile.Kind.STOP, unit) for unit in dead)
         tx = reconcile.plan(before, after, state.ledger.exclusive | held,
-                            lending.shareable((self.topology, state), (self.topology, state)),
-                            units.BORROW)
+                            self.targets.shareable(self.topology, state, before), units.BORROW,
+                            state.ledger.shared)
         await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
 
     async def observe(self, after: Mapping[str, UnitSpec]
@@ -298,7 +306,7 @@ class Engine:
 
     async def detect_capabilities(self) -> partitions.Capabilities:
         """What this host can do about partitions: systemd's version and whether its slices
-        have CPUSetPartition, and what the kernel offers."""
+        have CPUSetPartition, and what the kernel offers; and whether it can lend."""
         try:
             version = await self.systemd.manager_version()
             root = await self.systemd.get("-.slice", cgroup_iface("-.slice"),
@@ -307,8 +315,12 @@ class Engine:
             log.warning("cannot ask systemd what it supports: %s", exc)
             version, root = "", {}
         kernel, why = self.detect_kernel()
+        lend, why_not_lend = self.detect_lending()
         self.capabilities = partitions.Capabilities(version, partitions.PROPERTY in root,
-                                                    kernel, why)
+                                                    kernel, why, lend, why_not_lend)
+        if not lend:
+            log.warning("lending (option lend) is not available, allocations lend nothing: %s",
+                        why_not_lend)
         self.targets.set_partitions(self.capabilities.systemd_property)
         if self.capabilities.partitions:
             log.info("cpuset partitions available (systemd %s)", version)
@@ -323,9 +335,11 @@ class Engine:
         announced = False
         for name in sorted(await self.observe_partitions()):
             if name in self.state.ledger.allocations:
+                strain = self.strain.get(name, ())
                 diff = views.changed(
-                    views.allocation(self.topology, self.state, name, before.get(name)),
-                    views.allocation(self.topology, self.state, name, self.partition_report(name)))
+                    views.allocation(self.topology, self.state, name, before.get(name), strain),
+                    views.allocation(self.topology, self.state, name, self.partition_report(name),
+                                     strain))
                 if diff:
                     self.events.allocation_changed(name, reason, diff)
                     announced = True

@@ -4,6 +4,7 @@ apart from calling the sinks."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from cpuservice.apply import partitions, views
 from cpuservice.model import lending
@@ -18,10 +19,12 @@ Side = tuple[State, Topology, Mapping[str, partitions.State | None]]
 
 
 def publish(events: Events, forget: Callable[[str], None], before: Side, after: Side,
-            changed: set[str], reasons: Mapping[str, str]) -> None:
+            changed: set[str], reasons: Mapping[str, str],
+            strain: Mapping[str, tuple[str, ...]] = MappingProxyType({})) -> None:
     """Events for what changed between two sides of a change. An unbound allocation's CPUSet is
     the shared pool: it is announced once, by SharedCPUs and PoolsChanged, not per
-    allocation. ``forget``: told each allocation that is gone."""
+    allocation. ``forget``: told each allocation that is gone; ``strain``: the health reasons
+    of the allocations' figures now (the same on both sides: a change does not alter them)."""
     old, old_topology, old_reports = before
     new, topology, reports = after
     was_in, now_in = old.ledger.allocations, new.ledger.allocations
@@ -31,12 +34,14 @@ def publish(events: Events, forget: Callable[[str], None], before: Side, after: 
             events.allocation_removed(name)
         elif name not in was_in:
             events.allocation_added(name, views.allocation(topology, new, name,
-                                                           reports.get(name)))
+                                                           reports.get(name), strain.get(name, ())))
         elif was_in[name] is not now_in[name] or name in reasons or (
             new.records.get(name) is not old.records.get(name)
         ):
-            diff = views.changed(views.allocation(old_topology, old, name, old_reports.get(name)),
-                                 views.allocation(topology, new, name, reports.get(name)))
+            mine = strain.get(name, ())
+            diff = views.changed(views.allocation(old_topology, old, name, old_reports.get(name),
+                                                  mine),
+                                 views.allocation(topology, new, name, reports.get(name), mine))
             reason = reasons.get(name, "changed")
             if reason == MOVED and was_in[name].held != now_in[name].held:
                 events.allocation_moved(name, was_in[name].held.format(),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from types import MappingProxyType
@@ -13,7 +14,7 @@ from types import MappingProxyType
 from cpuservice.apply import units
 from cpuservice.apply.change import Basis, Change, Durability, Note, effects
 from cpuservice.apply.reconcile import Kind as OpKind
-from cpuservice.apply.reconcile import Op
+from cpuservice.apply.reconcile import NoSafeOrder, Op
 from cpuservice.apply.targets import own_slice
 from cpuservice.host import journal
 from cpuservice.host.checkpoint import (
@@ -25,6 +26,7 @@ from cpuservice.host.checkpoint import (
 )
 from cpuservice.host.irqs import KERNEL_HOLDERS
 from cpuservice.host.sysfs import discover, refresh
+from cpuservice.model.cpuset import EMPTY
 from cpuservice.model.errors import CPUServiceError
 from cpuservice.model.pools import Allocation, InvariantError, Ledger, check_invariants
 from cpuservice.model.topology import Topology
@@ -60,10 +62,11 @@ async def start(engine: Engine) -> None:
         # releases of vanished units) follows from the checkpoint and systemd again at the next
         # start; changes that need a write are refused until one succeeds (the status says so)
         engine.adopt(new)
-        await engine.apply(Change(
+        await through_pool(engine, Change(
             new, None, durability=Durability.SERVE_READ_ONLY, basis=Basis.OBSERVED,
             steps=steps,
-            events=tuple(events + restored(engine.topology, new, changes, source))))
+            events=tuple(events + restored(engine.topology, new, changes, source))),
+            adopt=True)
         engine.counters.repair("startup", time.monotonic() - began, len(changes))
         await confinement(engine)
         # foreign units whose lifetime=unit allocation ended while the daemon was down get
@@ -299,7 +302,7 @@ async def _revalidate(engine: Engine, full: bool, began: float) -> None:
                              "its unit is gone") for name in gone]
     notes = tuple(Note(journal.Kind.REPAIRED, c.name, c.reason, {
         "lost": c.lost.format(), "gained": c.gained.format()}) for c in changes)
-    await engine.apply(Change(
+    await through_pool(engine, Change(
         State(ledger, state.records), None, reasons,
         durability=Durability.FIRST if full else Durability.AFTER,
         basis=Basis.OBSERVED if full else Basis.RECORDED, topology=topology,
@@ -309,3 +312,53 @@ async def _revalidate(engine: Engine, full: bool, began: float) -> None:
     log.info("%s: online %s; %d allocation(s) repaired (%.0f ms)",
              "revalidate" if full else "CPU hotplug", topology.online, len(changes),
              seconds * 1000)
+
+
+async def through_pool(engine: Engine, change: Change, adopt: bool = False) -> None:
+    """Apply a change a restart, Revalidate or hotplug derived (it cannot be refused: systemd
+    must come to hold the state). When no order of it keeps every exclusive CPU in one unit
+    (reconcile.NoSafeOrder: say a CPU that became reserved and an allocation that must move
+    onto the shared pool's last CPU, swapping with it), the allocations of the units that wait
+    for each other pass through the shared pool instead: degraded, holding no CPU of their own,
+    their slices run on the pool (so they share their old CPUs with it, as the pool's holders
+    do, and wait for nobody); then the repair places them again, in a change of its own
+    (refused too when it has no safe order: they stay on the pool until a Revalidate).
+    ``adopt``: the engine's state becomes each state first (a start's)."""
+    try:
+        await engine.apply(change)
+        return
+    except NoSafeOrder as exc:
+        if change.state is None:
+            raise
+        mid, names = on_pool(change.state, exc.units)
+        if not names:
+            raise
+        log.warning("%s: no order of the change keeps every exclusive CPU in one unit; they run "
+                    "on the shared pool for a moment and are placed again", ", ".join(names))
+    if adopt:
+        engine.adopt(mid)
+    reasons = {**change.reasons, **dict.fromkeys(names, "degraded")}
+    await engine.apply(replace(change, state=mid, reasons=reasons, steps=()))
+    ledger, changes = repair(engine.topology, mid.ledger)
+    notes = tuple(Note(journal.Kind.REPAIRED, c.name, c.reason, {
+        "lost": c.lost.format(), "gained": c.gained.format()}) for c in changes)
+    try:
+        await engine.apply(Change(State(ledger, mid.records), frozenset(c.name for c in changes),
+                                  {c.name: c.reason for c in changes},
+                                  durability=change.durability, notes=notes))
+    except NoSafeOrder as exc:
+        log.error("%s stay on the shared pool until a Revalidate places them: %s",
+                  ", ".join(names), exc)
+
+
+def on_pool(state: State, stuck: Iterable[str]) -> tuple[State, list[str]]:
+    """``state`` with the bound allocations of the units ``stuck`` degraded onto the shared
+    pool (no whole CPU of their own; a fragment stays), and their names."""
+    units_ = set(stuck)
+    names = sorted(n for n, a in state.ledger.bound.items()
+                   if a.whole and n in state.records and state.records[n].unit in units_)
+    ledger = state.ledger
+    for name in names:
+        a = ledger.allocations[name]
+        ledger = ledger.without(name).with_allocation(replace(a, whole=EMPTY, degraded=True))
+    return State(ledger, state.records), names

@@ -46,6 +46,7 @@ from cpuservice.shell.lending import Lending
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.partition_watch import PartitionHealer
 from cpuservice.shell.ports import Events
+from cpuservice.shell.statistics import Statistics
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,8 @@ class Service:
         # same name goes when the new one is committed
         self.admission = Admission(engine, self._follow, fresh=self._forget_serial)
         self.lending = Lending(engine, skip=self._releasing.__contains__)
+        self.lending.identity = self.serial
+        self.statistics = Statistics(engine)  # how each allocation fares (GetStatistics)
         self.generation = 0  # changes committed since the start: the NRT export's generation
         self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
         engine.on_committed.append(self._count_commit)
@@ -175,18 +178,19 @@ class Service:
 
     def request(self, cpus: str, options: Mapping[str, Any]) -> Request:
         """A validated request, its devices (option near) resolved; its partition is the one it
-        can have (see partitions.check)."""
+        can have (see partitions.check), it lends only where the host can (see lending.can_lend)."""
         if "near" in options:
             options = {**options, "near": self.devices.resolve_option(options["near"])}
         request = Request.parse(cpus, options, self.config.defaults)
         opts = request.options
         wanted = partition_of_request(request)
+        caps = self.engine.capabilities
         effective = partitions.check(wanted, "partition" in options, opts.bind,
-                                     request.fraction == 0, opts.unit, self.engine.capabilities)
-        if effective != wanted:
-            request = Request.parse(cpus, {**options, "partition": str(effective)},
-                                    self.config.defaults)
-        return request
+                                     request.fraction == 0, opts.unit, caps)
+        fixed = {**options, "partition": str(effective)} if effective != wanted else {}
+        if opts.lend and not lending.can_lend(caps, "lend" in options):
+            fixed = {**options, **fixed, "lend": False}
+        return Request.parse(cpus, fixed, self.config.defaults) if fixed else request
 
     def plan(self, cpus: str, options: Mapping[str, Any]) -> Placement:
         return placement.place(self.topology, self.ledger, self.request(cpus, options))
@@ -333,6 +337,8 @@ class Service:
             self._same(name, serial)
             self._not_releasing(name)
             self.allocation(name)
+            if lend:  # NotSupported where the host cannot
+                lending.can_lend(self.engine.capabilities, True)
             change = lending.switched(self.topology, self.state, name, lend)
             if change is not None:
                 await self.engine.apply(change)
@@ -344,7 +350,8 @@ class Service:
         log_ = self.admission.moves
         async with self.lock:
             ledger, moves = defrag.defragment(self.topology, self.ledger,
-                                              allowed=log_.allowed)
+                                              allowed=log_.allowed,
+                                              safe=self.engine.orderable)
             if dry_run or not moves:
                 return moves
             await self.engine.apply(Change(

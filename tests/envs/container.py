@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,20 +22,48 @@ from pathlib import Path
 from typing import IO
 
 CHECKOUT = Path(__file__).resolve().parents[2]
-CGROUP_ROOTS = {"name=systemd": "/sys/fs/cgroup/systemd", "": "/sys/fs/cgroup/unified"}
 
 
 class ContainerError(RuntimeError):
     pass
 
 
-def _own_cgroup_dirs() -> list[Path]:
-    """The cgroup directories this process lives in (where nspawn puts payload/, supervisor/)."""
+def cgroup_roots(mountinfo: str | None = None) -> dict[str, tuple[Path, str]]:
+    """Where the cgroup hierarchies that nspawn writes to are mounted, as (mount point, the
+    cgroup path at that point): the unified one (cgroup v2), keyed "" as /proc/self/cgroup keys
+    it, and a named systemd one (v1), "name=systemd". A pure cgroup v2 host (Debian 13, the VM
+    lab) has only the first, at /sys/fs/cgroup; a hybrid one (this project's build machines)
+    both, at /sys/fs/cgroup/unified and /sys/fs/cgroup/systemd."""
+    text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
+    roots: dict[str, tuple[Path, str]] = {}
+    for line in text.splitlines():
+        before, _, after = line.partition(" - ")
+        fields, (fstype, _source, options, *_) = before.split(), after.split()
+        if fstype == "cgroup2":
+            key = ""
+        elif fstype == "cgroup" and "name=systemd" in options.split(","):
+            key = "name=systemd"
+        else:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        roots.setdefault(key, (Path(point), fields[3]))
+    return roots
+
+
+def _own_cgroup_dirs(cgroup: str | None = None, mountinfo: str | None = None) -> list[Path]:
+    """The cgroup directories this process lives in (where nspawn puts payload/, supervisor/),
+    in each hierarchy of cgroup_roots()."""
+    text = Path("/proc/self/cgroup").read_text() if cgroup is None else cgroup
+    roots = cgroup_roots(mountinfo)
     dirs = []
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in text.splitlines():
         _, controllers, path = line.split(":", 2)
-        if controllers in CGROUP_ROOTS and Path(CGROUP_ROOTS[controllers]).is_dir():
-            dirs.append(Path(CGROUP_ROOTS[controllers] + path))
+        if controllers not in roots:
+            continue
+        point, mounted = roots[controllers]
+        below = os.path.relpath(path, mounted)
+        if below != ".." and not below.startswith("../"):
+            dirs.append(Path(os.path.normpath(point / below)))
     return dirs
 
 

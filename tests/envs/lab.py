@@ -1,7 +1,10 @@
 """VM lab: QEMU (software emulation) booting a Debian kernel on a debootstrapped Debian root.
 
-Two releases: Debian 12 (``BOOKWORM``: the host's own kernel from /boot, systemd 252) and Debian
-sid (``SID``: the kernel installed in the image itself, systemd >= 261 with ``CPUSetPartition=``).
+Three releases (RELEASE: bookworm, trixie, sid; podman is Debian 12 with podman): Debian 12
+(``BOOKWORM``: the host's own kernel from /boot, systemd 252), Debian 13 (``TRIXIE``: the kernel
+installed in the image itself, Linux 6.12, systemd 257) and Debian sid (``SID``: its own kernel
+too, systemd >= 261 with ``CPUSetPartition=``). Every image comes from the Debian archive this
+machine's apt uses (``mirror()``), whichever release the machine runs.
 
 Default shape: 8 vCPUs as 2 sockets x 2 cores x 2 threads, 2 NUMA nodes, pure cgroup v2, udev,
 polkitd and an unprivileged user ``alice``. The root filesystem image is built once and cached,
@@ -10,21 +13,20 @@ payload disk holding the checkout's package and the scenarios. A oneshot unit in
 each scenario as root and writes its output and exit status to the second serial port, then
 powers off.
 
-    python -m tests.envs.lab [--sid] build           # build (or find) the cached image
-    python -m tests.envs.lab [--sid] run SCRIPT...   # boot once, run shell scripts, print output
+    python -m tests.envs.lab [--RELEASE] build           # build (or find) the cached image
+    python -m tests.envs.lab [--RELEASE] run SCRIPT...   # boot once, run scripts, print output
+    python -m tests.envs.lab mirror                      # the archive the images come from
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -75,6 +77,10 @@ PODMAN = Release("bookworm", (*PACKAGES, "podman", "netavark", "crun", "conmon",
                               "busybox-static"), name="podman")
 SID = Release("sid", (*PACKAGES, "linux-image-amd64"), own_kernel=True, panic_boots=3,
               cpu="max")
+# Debian 13, Debian's stable release since August 2025, with its own kernel (Linux 6.12) and
+# systemd 257: the package and the service on it (tests/lab/test_lab_trixie.py)
+TRIXIE = Release("trixie", (*PACKAGES, "linux-image-amd64"), own_kernel=True)
+RELEASES = {"bookworm": BOOKWORM, "podman": PODMAN, "trixie": TRIXIE, "sid": SID}
 RUNNER = """#!/bin/sh
 # Mounts the payload disk and runs its runner (so the runner can change without a new image).
 mkdir -p /payload
@@ -124,7 +130,6 @@ WantedBy=multi-user.target
 """
 RECIPE_VERSION = 3
 BOOT_ALLOWANCE = 300  # seconds from QEMU's start to the first scenario, with room
-_PR_SET_PDEATHSIG = 1
 
 
 class LabError(RuntimeError):
@@ -189,24 +194,53 @@ def kernel(boot: Path = Path("/boot")) -> tuple[Path, Path]:
     raise LabError(f"no kernel with an initrd in {boot} (scripts/install-deps.sh lab)")
 
 
-def mirror() -> str:
-    """The Debian archive this machine's apt uses (never hard-coded in the project)."""
-    sources = [*Path("/etc/apt/sources.list.d").glob("*.sources"), Path("/etc/apt/sources.list"),
-               *Path("/etc/apt/sources.list.d").glob("*.list")]
-    for path in sources:
-        if not path.exists():
-            continue
-        text = path.read_text()
-        for stanza in text.split("\n\n"):
-            uris = re.search(r"^URIs:\s*(\S+)", stanza, re.M)
-            suites = re.search(r"^Suites:\s*(.+)$", stanza, re.M)
-            if uris and suites and "bookworm" in suites.group(1).split():
-                return uris.group(1)
-        for line in text.splitlines():
-            m = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+bookworm\s", line)
-            if m:
-                return m.group(1)
-    raise LabError("no bookworm archive found in this machine's apt sources")
+# Debian's suites by name: a source with one of these (or the host's own codename) is Debian's
+# main archive; -security, -updates and -backports suites are not.
+DEBIAN_SUITES = frozenset({"bullseye", "bookworm", "trixie", "forky", "duke", "sid", "oldstable",
+                           "stable", "testing", "unstable"})
+
+
+def _sources(text: str) -> Iterator[tuple[str, list[str]]]:
+    """(URI, suites) of every Debian archive entry in an apt sources file: deb822 stanzas and
+    one-line entries."""
+    for stanza in re.split(r"\n\s*\n", text):
+        uris = re.search(r"^URIs:\s*(\S+)", stanza, re.M)
+        suites = re.search(r"^Suites:\s*(.+)$", stanza, re.M)
+        types = re.search(r"^Types:\s*(.+)$", stanza, re.M)
+        enabled = re.search(r"^Enabled:\s*(\S+)", stanza, re.M)
+        if uris and suites and (not types or "deb" in types.group(1).split()) and (
+                not enabled or enabled.group(1).lower() not in ("no", "false")):
+            yield uris.group(1), suites.group(1).split()
+    for line in text.splitlines():
+        m = re.match(r"\s*deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+(\S+)\s", line)
+        if m:
+            yield m.group(1), [m.group(2)]
+
+
+def host_codename(os_release: Path = Path("/etc/os-release")) -> str:
+    """This machine's Debian codename (bookworm, trixie, ...), or "" when it has none."""
+    text = os_release.read_text() if os_release.exists() else ""
+    m = re.search(r"^VERSION_CODENAME=\"?([a-z]+)", text, re.M)
+    return m.group(1) if m else ""
+
+
+def mirror(apt: Path = Path("/etc/apt"), codename: str | None = None) -> str:
+    """The Debian archive this machine's apt uses (never hard-coded in the project): the source of
+    the machine's own release (Debian 12, 13 or later), else any source of a Debian suite;
+    ``CPUSERVICE_MIRROR`` overrides it. Every lab release is debootstrapped from it, whichever
+    release the machine runs: the archive carries them all."""
+    if os.environ.get("CPUSERVICE_MIRROR"):
+        return os.environ["CPUSERVICE_MIRROR"]
+    own = host_codename() if codename is None else codename
+    paths = [*sorted((apt / "sources.list.d").glob("*.sources")), apt / "sources.list",
+             *sorted((apt / "sources.list.d").glob("*.list"))]
+    entries = [entry for path in paths if path.exists() for entry in _sources(path.read_text())]
+    for wanted in ({own} - {""}, DEBIAN_SUITES):
+        for uri, suites in entries:
+            if wanted & set(suites):
+                return uri
+    raise LabError(f"no Debian archive ({own or 'any Debian suite'}) found in the apt sources "
+                   f"under {apt}; set CPUSERVICE_MIRROR=URL")
 
 
 def recipe_key(release: Release = BOOKWORM) -> str:
@@ -386,10 +420,12 @@ def _run_once(plan: Mapping[str, Scenario], shape: Shape, files: Sequence[Path],
         workdir = Path(tmp)
         payload = _payload(workdir, plan, files)
         env = {**os.environ, "TMPDIR": str(workdir)}
-        qemu = subprocess.Popen(_qemu_argv(shape, base, payload, workdir, boot, cpu), env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        # QEMU gets SIGKILL when the thread that started it ends (the test run is over, or
+        # was killed); setpriv sets that in QEMU's process, no Python runs after fork()
+        qemu = subprocess.Popen(["setpriv", "--pdeathsig", "KILL", "--",
+                                 *_qemu_argv(shape, base, payload, workdir, boot, cpu)],
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
         reason = _watch(qemu, workdir / "scenarios.log", plan, timeout)
         if reason:
             qemu.kill()
@@ -440,11 +476,6 @@ def _watch(qemu: subprocess.Popen[bytes], log_path: Path, plan: Mapping[str, Sce
     return None
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: QEMU gets SIGKILL if the process that started it dies."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _tail(workdir: Path) -> str:
     parts = []
     for name in ("console.log", "scenarios.log"):
@@ -470,10 +501,13 @@ def _parse(log: str) -> dict[str, Result]:
 
 def main(argv: Sequence[str]) -> int:
     release = BOOKWORM
-    if argv[:1] in (["--sid"], ["--podman"]):
-        release, argv = (SID if argv[0] == "--sid" else PODMAN), argv[1:]
+    if argv[:1] and argv[0][2:] in RELEASES:
+        release, argv = RELEASES[argv[0][2:]], argv[1:]
     if argv[:1] == ["build"]:
         print(base_image(release))
+        return 0
+    if argv[:1] == ["mirror"]:
+        print(mirror())
         return 0
     if argv[:1] == ["run"] and len(argv) > 1:
         scripts = {re.sub(r"[^a-z0-9-]", "-", Path(p).stem.lower()): Path(p).read_text()

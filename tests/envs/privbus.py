@@ -106,28 +106,38 @@ class PrivateSystemBus:
         return [tuple(x) for x in json.loads(probe.read_text())] if probe.exists() else []
 
 
-async def _serve(address: str, where: Path, fixture: str) -> None:
+async def serve(address: str, cfg: Any, timeline: bool = True) -> tuple[Any, Any, Any]:
+    """The service on the bus at ``address``, wired as the daemon wires it but with the
+    in-memory systemd: (bus, service, manager). ``timeline``: whether the fake keeps its
+    snapshot of every unit per call (the ordering checks' record; costly at 1,000 allocations)."""
     from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
     from cpuservice.daemon import assemble
     from cpuservice.host.authz import Authority
     from cpuservice.host.checkpoint import Store
-    from cpuservice.model import config as config_mod
-    from cpuservice.model.fixtures import write_sysfs
     from tests.unit.fake_systemd import FakeKernel, FakeSystemd
 
-    config_mod.VOLATILE_DIRS = ()  # type: ignore[assignment]  # the state lives in the test's temporary directory
-    cfg = config_mod.validate({"sysfs_root": str(write_sysfs(where / "sys", fixture)),
-                               "state_file": str(where / "state" / "state.json"),
-                               **json.loads((where / "config.json").read_text())})
     bus = await Bus(bus_address=address).connect()
     fake = FakeSystemd()
-    fake._record = lambda: None  # type: ignore[method-assign]  # no timeline: a snapshot of every unit per call is the tests'
+    if not timeline:
+        fake._record = lambda: None  # type: ignore[method-assign]
     service = assemble(cfg, fake, Store(cfg.state_file), FakeKernel(fake))
     manager = Manager(service, bus, Authority(bus))
     bus.add_message_handler(capture_sender)
     await service.start()
     manager.export_all()
     await bus.request_name(BUS_NAME)
+    return bus, service, manager
+
+
+async def _serve(address: str, where: Path, fixture: str) -> None:
+    from cpuservice.model import config as config_mod
+    from cpuservice.model.fixtures import write_sysfs
+
+    config_mod.VOLATILE_DIRS = ()  # type: ignore[assignment]  # the state lives in the test's temporary directory
+    cfg = config_mod.validate({"sysfs_root": str(write_sysfs(where / "sys", fixture)),
+                               "state_file": str(where / "state" / "state.json"),
+                               **json.loads((where / "config.json").read_text())})
+    bus, _, _ = await serve(address, cfg, timeline=False)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -172,9 +182,10 @@ async def populate(address: str, n: int) -> None:
 
 async def measure(address: str, seconds: float) -> dict[str, float]:
     """Ping cpuservice every 20 ms for ``seconds`` (p50, p99; and dbus-daemon itself, p99:
-    what the bus adds), then Allocate and Release ten times (median of the Allocates)."""
+    what the bus adds; and GetAllocation, a read that takes its turn, p99), then Allocate and
+    Release ten times (median of the Allocates)."""
     bus = await MessageBus(bus_address=address).connect()
-    pings, bus_pings, allocates = [], [], []
+    pings, bus_pings, reads, allocates = [], [], [], []
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         start = time.perf_counter()
@@ -184,6 +195,9 @@ async def measure(address: str, seconds: float) -> dict[str, float]:
         await bus.call(Message(destination="org.freedesktop.DBus", path="/org/freedesktop/DBus",
                                interface="org.freedesktop.DBus.Peer", member="Ping"))
         bus_pings.append(time.perf_counter() - start)
+        start = time.perf_counter()  # a read, which takes a turn among the users' reads
+        await call(bus, "GetAllocation", "s", ["a1"])
+        reads.append(time.perf_counter() - start)
         await asyncio.sleep(0.02)
     for i in range(10):
         start = time.perf_counter()
@@ -194,8 +208,10 @@ async def measure(address: str, seconds: float) -> dict[str, float]:
     bus.disconnect()
     pings.sort()
     bus_pings.sort()
+    reads.sort()
     return {"ping_p50": statistics.median(pings), "ping_p99": pings[int(len(pings) * 0.99)],
             "bus_ping_p99": bus_pings[int(len(bus_pings) * 0.99)],
+            "read_p99": reads[int(len(reads) * 0.99)],
             "allocate": statistics.median(allocates)}
 
 

@@ -61,13 +61,15 @@ def test_nobodys_bulk_reads_hold_up_no_one(bus: PrivateSystemBus, reading: bool)
     assert set(served["errors"]) <= {"org.cpuservice1.Error.LimitExceeded"}, served
     # The goals (Ping p99 <= 100 ms, Allocate <= 2x idle, the timer <= 100 ms late) are checked
     # by `make bench-bus` on a quiet machine. This test runs beside other tiers on a 2-core
-    # machine (four busy processes of its own, a VM boot or an image build beside it), so it
-    # keeps a margin that such load does not reach and the old code's failure cannot pass: there
+    # machine (four busy processes of its own, the VM lab's boots beside it: `make test` runs
+    # the lab beside the other tiers), so it keeps a margin of 10-20x that such load does not
+    # reach and the old code's failure cannot pass: there
     # a Ping waited 12.6-39.9 s behind one such connection, and this flood made the daemon drop
     # off the bus.
-    assert loaded["ping_p99"] <= 1.0, (idle, loaded)
-    assert loaded["allocate"] <= max(5 * idle["allocate"], idle["allocate"] + 0.25), (idle, loaded)
-    assert loop["p99"] <= 0.5, loop  # the lending loop's timer: withdrawals are not held up
+    assert loaded["ping_p99"] <= 2.0, (idle, loaded)
+    assert loaded["read_p99"] <= 2.0, (idle, loaded)  # another user's reads take their turns
+    assert loaded["allocate"] <= max(5 * idle["allocate"], idle["allocate"] + 0.5), (idle, loaded)
+    assert loop["p99"] <= 1.0, loop  # the lending loop's timer: withdrawals are not held up
 
 
 def test_the_reads_answer_what_dbus_fast_would(tmp_path: Path) -> None:

@@ -21,14 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
-from cpuservice.daemon import assemble
-from cpuservice.host.authz import Authority
-from cpuservice.host.checkpoint import Store
+from cpuservice.bus.api import BUS_NAME
 from cpuservice.model import config as config_mod
 from cpuservice.model.fixtures import write_sysfs
 from tests.conftest import unavailable
-from tests.unit.fake_systemd import FakeKernel, FakeSystemd
+from tests.envs import privbus
 
 ROOT = Path(__file__).parents[2]
 
@@ -55,15 +52,7 @@ class PrivateService:
         self.error: BaseException | None = None
 
         async def serve() -> None:
-            bus = await Bus(bus_address=self.address).connect()
-            fake = FakeSystemd()
-            service = assemble(cfg, fake, Store(cfg.state_file), FakeKernel(fake))
-            manager = Manager(service, bus, Authority(bus))
-            bus.add_message_handler(capture_sender)
-            await service.start()
-            manager.export_all()
-            await bus.request_name(BUS_NAME)
-            self.bus, self.manager = bus, manager
+            self.bus, _, self.manager = await privbus.serve(self.address, cfg)
 
         def thread() -> None:
             asyncio.set_event_loop(self.loop)

@@ -1,6 +1,12 @@
 """The VM lab: availability check (a skipped tier fails under CI=true), the Debian packages and
 the shared boots every lab test module reads (tests/lab/plan.py), with their times reported at
-the end of the run."""
+the end of the run.
+
+The boots start as soon as the session knows which it needs, side by side, longest first
+(``Scheduler``): a VM under QEMU's software emulation keeps about one core busy, so two at a
+time (``CPUSERVICE_LAB_PARALLEL``) fill this project's 2-core machines. While the file named
+by ``CPUSERVICE_LAB_SHARED_UNTIL`` does not exist (scripts/tiers.sh: the other tiers still run
+beside the lab), one at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +14,10 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -42,46 +51,190 @@ def lab_ready() -> None:
         unavailable(reason)
 
 
-@pytest.fixture(scope="session")
-def debs(lab_ready: None) -> Iterator[list[Path]]:
-    """cpuservice 0.1.0 built from the checkout (with lintian's log) and the same package as
-    0.1.1, for the upgrade."""
-    out = Path(tempfile.mkdtemp(prefix="cpuservice-debs-", dir="/var/tmp"))
-    try:
-        env = {**os.environ, "CPUSERVICE_DEB_OUT": str(out / "0.1.0")}
-        subprocess.run(["bash", str(CHECKOUT / "scripts/build-deb.sh")], check=True, env=env,
+def _build_debs(out: Path, release: lab.Release) -> list[Path]:
+    """cpuservice 0.1.0 built from the checkout for ``release`` (with lintian's log): here when
+    this machine runs that release, else in a chroot of it (scripts/test-release.sh, whose root
+    scripts/lab-images.sh prepares); and the same package as 0.1.1, for the upgrade."""
+    first = out / "0.1.0"
+    if release.suite == lab.host_codename():
+        subprocess.run(["bash", str(CHECKOUT / "scripts/build-deb.sh")], check=True,
+                       env={**os.environ, "CPUSERVICE_DEB_OUT": str(first)},
                        stdout=subprocess.DEVNULL)
-        first = out / "0.1.0/cpuservice_0.1.0_all.deb"
-        subprocess.run(["bash", str(CHECKOUT / "tests/lab/scenarios/reversion.sh"), str(first),
-                        "0.1.1", str(out / "0.1.1")], check=True, stdout=subprocess.DEVNULL)
-        yield sorted(out.glob("*/cpuservice_*_all.deb"))
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    else:
+        subprocess.run(["bash", str(CHECKOUT / "scripts/test-release.sh"), release.suite,
+                        "--deb", str(first)], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["bash", str(CHECKOUT / "tests/lab/scenarios/reversion.sh"),
+                    str(first / "cpuservice_0.1.0_all.deb"), "0.1.1", str(out / "0.1.1")],
+                   check=True, stdout=subprocess.DEVNULL)
+    return sorted(out.glob("*/cpuservice_*_all.deb"))
+
+
+@dataclass(frozen=True)
+class Boot:
+    """One boot the test modules share: its scenarios, shape, release, the release whose
+    package it carries (in /payload/files), and about how long it takes alone (its order)."""
+
+    name: str
+    scenarios: dict[str, lab.Scenario]
+    shape: lab.Shape = DEFAULT
+    release: lab.Release = lab.BOOKWORM
+    debs: lab.Release | None = None
+    seconds: int = 60
+
+
+# by the fixture that returns its Run
+PLANNED = {
+    "main_boot": Boot("main", plan.MAIN, debs=lab.BOOKWORM, seconds=280),
+    "containers_boot": Boot("containers", plan.CONTAINERS, release=lab.PODMAN, seconds=270),
+    "trixie_boot": Boot("trixie", plan.DEBIAN13, release=lab.TRIXIE, debs=lab.TRIXIE,
+                        seconds=230),
+    "modern_boot": Boot("modern", plan.MODERN, release=lab.SID, seconds=95),
+    "small_boot": Boot("small", plan.SMALL_SCENARIOS, plan.SMALL, seconds=30),
+}
+
+
+@dataclass
+class Scheduler:
+    """Runs the boots on threads, ``parallel()`` at a time, in the order they were asked for;
+    each one's Run (or its error) is a Future. Packages are built once per release."""
+
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    queue: list[str] = field(default_factory=list)
+    running: int = 0
+    futures: dict[str, Future[lab.Run]] = field(default_factory=dict)
+    packages: dict[str, Future[list[Path]]] = field(default_factory=dict)
+    scratch: list[Path] = field(default_factory=list)
+
+    @staticmethod
+    def parallel() -> int:
+        shared_until = os.environ.get("CPUSERVICE_LAB_SHARED_UNTIL")
+        if shared_until and not Path(shared_until).exists():
+            return 1
+        return max(1, int(os.environ.get("CPUSERVICE_LAB_PARALLEL", "2")))
+
+    def submit(self, name: str, task: Callable[[], lab.Run]) -> Future[lab.Run]:
+        with self.cond:
+            if name not in self.futures:
+                self.futures[name] = Future()
+                self.queue.append(name)
+                threading.Thread(target=self._run, args=(name, task), name=f"lab-{name}",
+                                 daemon=True).start()
+            return self.futures[name]
+
+    def _run(self, name: str, task: Callable[[], lab.Run]) -> None:
+        with self.cond:
+            while self.queue[0] != name or self.running >= self.parallel():
+                self.cond.wait(1.0)  # the share file appears without a notification
+            self.queue.pop(0)
+            self.running += 1
+            self.cond.notify_all()
+        future = self.futures[name]
+        try:
+            run = task()
+            BOOTS[name] = run
+            future.set_result(run)
+        except BaseException as exc:  # handed to the test that waits for it
+            future.set_exception(exc)
+        finally:
+            with self.cond:
+                self.running -= 1
+                self.cond.notify_all()
+
+    def debs(self, release: lab.Release) -> list[Path]:
+        """The package (0.1.0 and 0.1.1) for ``release``, built by the first to ask."""
+        with self.cond:
+            future = self.packages.get(release.suite)
+            mine = future is None
+            if future is None:
+                future = self.packages[release.suite] = Future()
+        if mine:
+            out = Path(tempfile.mkdtemp(prefix=f"cpuservice-debs-{release.suite}-",
+                                        dir="/var/tmp"))
+            self.scratch.append(out)
+            try:
+                future.set_result(_build_debs(out, release))
+            except BaseException as exc:  # every caller sees it
+                future.set_exception(exc)
+        return future.result()
+
+    def boot(self, boot: Boot) -> Future[lab.Run]:
+        def task() -> lab.Run:
+            files = self.debs(boot.debs) if boot.debs else []
+            return lab.run(boot.scenarios, boot.shape, files=files, release=boot.release)
+        return self.submit(boot.name, task)
+
+    def cleanup(self) -> None:
+        for out in self.scratch:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+SCHEDULER = Scheduler()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start every boot the selected tests need (longest first), before the first test."""
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())
+              if name in PLANNED}
+    if needed and lab_unavailable_reason() is None:
+        for name in sorted(needed, key=lambda n: -PLANNED[n].seconds):
+            SCHEDULER.boot(PLANNED[name])
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    SCHEDULER.cleanup()
+
+
+def _wait(future: Future[lab.Run]) -> lab.Run:
+    return future.result()
+
+
+@pytest.fixture(scope="session")
+def debs(lab_ready: None) -> list[Path]:
+    """The package for the Debian 12 guests, 0.1.0 and 0.1.1."""
+    return SCHEDULER.debs(lab.BOOKWORM)
+
+
+@pytest.fixture(scope="session")
+def trixie_debs(lab_ready: None) -> list[Path]:
+    """The package for the Debian 13 guest, 0.1.0 and 0.1.1."""
+    return SCHEDULER.debs(lab.TRIXIE)
 
 
 def _boot(name: str, scenarios: dict[str, lab.Scenario], shape: lab.Shape = DEFAULT,
           files: list[Path] | None = None, release: lab.Release = lab.BOOKWORM) -> lab.Run:
-    if name not in BOOTS:
-        BOOTS[name] = lab.run(scenarios, shape, files=files or [], release=release)
-    return BOOTS[name]
+    """A boot of a test module's own (the shared ones are PLANNED)."""
+    return _wait(SCHEDULER.submit(name, lambda: lab.run(scenarios, shape, files=files or [],
+                                                         release=release)))
 
 
 @pytest.fixture(scope="session")
-def main_boot(debs: list[Path]) -> lab.Run:
+def main_boot(lab_ready: None) -> lab.Run:
     """One boot of the default shape that runs every scenario of plan.MAIN."""
-    return _boot("main", plan.MAIN, files=debs)
+    return _wait(SCHEDULER.boot(PLANNED["main_boot"]))
+
+
+@pytest.fixture(scope="session")
+def containers_boot(lab_ready: None) -> lab.Run:
+    """One boot of Debian 12 with podman (lab.PODMAN) that runs plan.CONTAINERS."""
+    return _wait(SCHEDULER.boot(PLANNED["containers_boot"]))
 
 
 @pytest.fixture(scope="session")
 def modern_boot(lab_ready: None) -> lab.Run:
     """One boot of Debian sid (systemd >= 261, Linux 7.x) that runs every scenario of
     plan.MODERN."""
-    return _boot("modern", plan.MODERN, release=lab.SID)
+    return _wait(SCHEDULER.boot(PLANNED["modern_boot"]))
+
+
+@pytest.fixture(scope="session")
+def trixie_boot(lab_ready: None) -> lab.Run:
+    """One boot of Debian 13 (its own kernel) that runs every scenario of plan.DEBIAN13."""
+    return _wait(SCHEDULER.boot(PLANNED["trixie_boot"]))
 
 
 @pytest.fixture(scope="session")
 def small_boot(lab_ready: None) -> lab.Run:
-    return _boot("small", plan.SMALL_SCENARIOS, plan.SMALL)
+    return _wait(SCHEDULER.boot(PLANNED["small_boot"]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -58,37 +58,51 @@ runuser -u alice -- busctl call --allow-interactive-authorization=no org.freedes
   /org/freedesktop/systemd1 org.freedesktop.systemd1.Manager StartUnit ss ssh.service fail
 echo "busctl status $?"
 """
-DEB = f"""
-F=/payload/files
-dpkg -i $F/cpuservice_0.1.0_all.deb >/dev/null 2>&1; echo "install $?"
+# The Debian package (its two versions in /payload/files): installed, an enforced allocation;
+# then (DEB_LIFECYCLE) upgraded with it live, removed and purged. dpkg's warnings are reported.
+DPKG = """F=/payload/files
+dpkg_() {  # dpkg ARGS: prints its warnings on one line; exit status dpkg's
+    out=$(dpkg "$@" 2>&1); rc=$?
+    echo "warnings: $(echo "$out" | grep -i warning | tr '\\n' ' ')"
+    return $rc
+}
+"""
+DEB_INSTALL = DPKG + f"""
+dpkg_ -i $F/cpuservice_0.1.0_all.deb; echo "install $?"
 echo "active $(systemctl is-active cpuservice)"
+echo "unitfile $(systemctl show cpuservice -p FragmentPath --value)"
 busctl introspect org.cpuservice1 /org/cpuservice1 >/dev/null; echo "introspect $?"
 busctl call {M} Allocate 'ssa{{sv}}' pkg 2 1 bind b true >/dev/null
 systemd-run --slice=cpuservice-bound-pkg.slice --unit=pkgworker sleep 1000
 pid=$(systemctl show pkgworker -p MainPID --value)
+echo "$pid" > /run/pkgworker.pid
 echo "cpuset $(busctl get-property {A} CPUSet)"
 echo "process $(grep Cpus_allowed_list /proc/$pid/status | cut -f2)"
+"""
+DEB_LIFECYCLE = DPKG + f"""
+pid=$(cat /run/pkgworker.pid)
 before=$(systemctl show cpuservice -p MainPID --value)
 echo "== upgrade"
-dpkg -i $F/cpuservice_0.1.1_all.deb >/dev/null 2>&1; echo "upgrade $?"
+dpkg_ -i $F/cpuservice_0.1.1_all.deb; echo "upgrade $?"
 echo "version $(dpkg-query -W -f '${{Version}}' cpuservice)"
 echo "active $(systemctl is-active cpuservice)"
 echo "restarted $([ "$(systemctl show cpuservice -p MainPID --value)" != "$before" ] && echo yes)"
 echo "cpuset $(busctl get-property {A} CPUSet)"
 echo "process $(grep Cpus_allowed_list /proc/$pid/status | cut -f2)"
 echo "== remove"
-dpkg -r cpuservice >/dev/null 2>&1; echo "remove $?"
+dpkg_ -r cpuservice; echo "remove $?"
 echo "active $(systemctl is-active cpuservice)"
 echo "units $(systemctl list-units --all --plain --no-legend 'cpuservice*' \\
     | grep -v cpuservice-lab | awk '$3 != "inactive" || $1 ~ /slice$/ {{print $1 ":" $3}}' \\
     | tr '\\n' ' ')"
 echo "process $(kill -0 $pid 2>/dev/null && echo alive || echo gone)"
 echo "== purge"
-dpkg -P cpuservice >/dev/null 2>&1; echo "purge $?"
+dpkg_ -P cpuservice; echo "purge $?"
 echo "left: $(find / -xdev \\( -path /proc -o -path /sys -o -path /payload -o -path /var/lib/dpkg \\
     -o -path /var/log \\) -prune -o -name '*cpuservice*' -print | grep -v cpuservice-lab \\
     | tr '\\n' ' ')"
 """
+DEB = DEB_INSTALL + DEB_LIFECYCLE
 INSTALL = LIB + """
 step 240 "scripts/install.sh" bash /payload/scripts/install.sh >/dev/null
 systemctl is-active cpuservice
@@ -227,6 +241,7 @@ MAIN: dict[str, Scenario] = {
     "moves": Scenario("python3 /payload/tests/lab/scenarios/moves.py", 120, ("install",)),
     "lending": Scenario("python3 /payload/tests/lab/scenarios/lending.py check", 240,
                         ("install",)),
+    "figures": Scenario("python3 /payload/tests/lab/scenarios/figures.py", 600, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.
@@ -261,4 +276,23 @@ CONTAINERS: dict[str, Scenario] = {
     "parent": Scenario(f"{CONTAINERS_PY} parent", 300, ("podman",)),
     "run": Scenario(f"{CONTAINERS_PY} run", 300, ("podman",)),
     "service": Scenario(f"{CONTAINERS_PY} service", 300, ("podman",)),
+}
+
+# Debian 13 (lab.TRIXIE: its own kernel, systemd 257, Python 3.13), the default shape, one boot:
+# the package built on Debian 13 installed, the service enforcing AllowedCPUs, repairing after
+# CPU hotplug, then upgraded, removed and purged; then scripts/run.sh
+# (tests/lab/test_lab_debian13.py).
+VERSIONS = ("cat /etc/debian_version; uname -r; systemctl --version | head -1; "
+            "cat /sys/fs/cgroup/cgroup.controllers; python3 -c 'import sys; "
+            "from importlib.metadata import version as v; print(sys.version.split()"
+            "[0], v(\"dbus-fast\"), v(\"pydantic\"))'")
+DEBIAN13: dict[str, Scenario] = {
+    "versions": Scenario(VERSIONS, 30),
+    "enforce": MAIN["enforce"],
+    "package": Scenario(DEB_INSTALL, 240),
+    "repair": Scenario(f"{HOTPLUG} repair", 150, ("package",)),
+    "lifecycle": Scenario(DEB_LIFECYCLE, 240, ("package",)),
+    # the README's first command where systemd is PID 1: install.sh from the checkout, the demo
+    "run": Scenario(LIB + 'step 240 "bash scripts/run.sh" bash /payload/scripts/run.sh\n'
+                    'echo "active $(systemctl is-active cpuservice)"\n', 300),
 }

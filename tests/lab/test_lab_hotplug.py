@@ -24,7 +24,12 @@ def test_service_runs_in_the_vm(boot: lab.Run) -> None:
 
 
 def test_offline_cpu_of_a_bound_allocation_is_replaced(boot: lab.Run) -> None:
-    r = results(boot, "repair")
+    check_repair(results(boot, "repair"))
+
+
+def check_repair(r: dict[str, dict]) -> None:
+    """hotplug.py repair: the offline CPU of a bound allocation replaced, in its unit and for
+    its process; back in the shared pool once online."""
     start, offline, online = r["start"], r["offline"], r["online"]
     assert start["process"] == start["held"] and len(start["held"]) == 2
     victim = offline["victim"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,17 +239,20 @@ SHARED_HOLDERS = frozenset({"cpuservice-shared.slice", BORROW, *CONFINED, "kerne
 
 
 def violations(timeline: Sequence[Mapping[str, CPUSet]], exclusive: CPUSet,
-               lent: Mapping[int, str] | None = None) -> list[str]:
+               lent: Mapping[int, str | AbstractSet[str]] | None = None) -> list[str]:
     """Instants at which a CPU of ``exclusive`` is in the AllowedCPUs of two units, other than
     two holders of the shared pool (before it leaves the pool, such a CPU is theirs) or, for a
-    CPU of ``lent`` (cpu -> the unit of the allocation that lends it), the borrow slice and
-    that unit: never the borrow slice and any other unit."""
+    CPU of ``lent`` (cpu -> the unit of the allocation that lends it, or the units of those
+    that lend it before and after a change), the borrow slice and one such unit: never the
+    borrow slice and any other unit, never two owners."""
     found = []
     for i, units in enumerate(timeline):
         for cpu in exclusive:
             holders = {u for u, cpus in units.items() if cpu in cpus}
+            owner = lent.get(cpu, frozenset()) if lent else frozenset()
+            owners = {owner} if isinstance(owner, str) else owner
             if len(holders) > 1 and not holders <= SHARED_HOLDERS and not (
-                    lent and cpu in lent and holders <= {BORROW, lent[cpu]}):
+                    BORROW in holders and len(holders) == 2 and holders - {BORROW} <= owners):
                 found.append(f"instant {i}: cpu {cpu} in {', '.join(sorted(holders))}")
     return found
 

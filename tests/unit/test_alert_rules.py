@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuservice.host import metrics
+from cpuservice.host import figure_metrics, metrics
 from cpuservice.model.fixtures import MACHINES
 from cpuservice.model.pools import Ledger
 from cpuservice.model.state import State
@@ -68,6 +68,7 @@ def test_the_rules_read_what_the_daemon_writes() -> None:
     t = MACHINES["b"].topology()
     counters = metrics.Counters()
     text = metrics.render(t, State(Ledger(t.online), {}), counters, "0.1.0", (True, 1))
+    text += figure_metrics.render({}, [])  # each allocation's figures and health (issue 39)
     written = set(re.findall(r"^# TYPE (\w+) ", text, re.M))
     expressions = re.findall(r"^\s+expr: (.*)$", RULES.read_text(), re.M)
     read = {name for e in expressions for name in re.findall(r"\b([a-z_]+)\{", e)

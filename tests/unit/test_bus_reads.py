@@ -1,5 +1,5 @@
 """The bus's reads that anyone may make (issue 37, item 1), without a bus: the fair turns
-(cpuservice.bus.fair: one at a time, round robin, bounded, at most half the loop) and the
+(cpuservice.bus.fair: one at a time, round robin over callers, bounded, a share of the time) and the
 prepared replies (cpuservice.bus.reads: the bytes are those dbus-fast would marshal itself).
 The same code against a real dbus-daemon and a caller as nobody: tests/integration/
 test_bus_flood.py."""
@@ -71,7 +71,7 @@ def test_reads_take_at_most_their_share_of_the_loop() -> None:
 
 def test_a_connection_may_have_so_many_reads_waiting() -> None:
     async def body() -> tuple[int, str]:
-        turns, log = Turns(per_sender=3, share=1.0), list[str]()
+        turns, log = Turns(per_caller=3, share=1.0), list[str]()
         reads = [asyncio.ensure_future(_read(turns, ":1.1", log, "r")) for _ in range(5)]
         done = await asyncio.gather(*reads, return_exceptions=True)
         refused = [r for r in done if isinstance(r, Refused)]
@@ -162,3 +162,27 @@ def test_an_empty_prepared_reply() -> None:
     got = Prepared(call, MANAGED, managed_body(()))
     want.serial = got.serial = 3
     assert got._marshall(False) == want._marshall(False)
+
+
+def test_a_callers_pause_holds_up_no_other_caller() -> None:
+    async def body() -> tuple[float, list[str]]:
+        turns, log = Turns(share=1.0, rate=1e6), list[str]()
+
+        async def hog(i: int) -> None:  # a megabyte reply each: a second's pause after it
+            async with turns.turn("uid 65534") as turn:
+                log.append(f"hog{i}")
+                turn.sent = 1_000_000
+                await asyncio.sleep(0)
+
+        hogs = [asyncio.ensure_future(hog(i)) for i in range(3)]
+        await asyncio.sleep(0.01)  # the first hog read is done, the hog rests
+        start = time.monotonic()
+        await _read(turns, "uid 1000", log, "other")
+        waited = time.monotonic() - start
+        for task in hogs:
+            task.cancel()
+        await asyncio.gather(*hogs, return_exceptions=True)
+        return waited, log
+
+    waited, log = asyncio.run(body())
+    assert log == ["hog0", "other"] and waited < 0.1

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2] / "cpuservice"
 WRITES = {"start_transient", "set_properties", "stop", "remove_overrides", "set_cpus",
           "set_many"}
 ALLOWED = {
-    "engine.py",  # the Effector: the one door
+    "effector.py",  # the engine's Effector: the one door
     "reconcile.py",  # run_op: what the transaction does through the Effector
     "systemd.py",  # the adapter itself
     "irqs.py",  # the kernel adapter starts its oneshot through systemd

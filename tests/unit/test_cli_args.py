@@ -3,13 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cpuservice.cli import run
+from cpuservice.cli import ctl, plan, run
 from cpuservice.cli.ctl import allocation_name, parse, parser
 from cpuservice.cli.ctl_output import JsonMode, cpu_time, dumps, json_mode, nulls, timespan
 from cpuservice.cli.options import choices, options_of
@@ -97,6 +101,43 @@ def test_plan_into_head_ends_quietly() -> None:
     out = subprocess.run(f"{sys.executable} -m cpuservice.cli.plan --machine e --export nrt "
                          "| head -c 10", shell=True, capture_output=True, text=True)
     assert out.stdout and out.stderr == "", out.stderr
+
+
+@contextlib.contextmanager
+def closed_stdout() -> Iterator[None]:
+    """sys.stdout writes to a pipe whose reader has gone (`TOOL | head -1` after head ended).
+    On leaving, it is flushed as the interpreter does at exit: nothing may be left to fail."""
+    read, write = os.pipe()
+    os.close(read)
+    stream = io.TextIOWrapper(io.BufferedWriter(io.FileIO(write, "w")))
+    real, sys.stdout = sys.stdout, stream
+    try:
+        yield
+    finally:
+        sys.stdout = real
+    try:
+        stream.flush()
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            stream.close()
+
+
+def test_plan_flushes_into_a_closed_pipe_itself() -> None:
+    """Python 3.13 reported the closed pipe at exit ("Exception ignored on flushing sys.stdout"),
+    after main() had returned: a short output was still in the buffer. main() flushes it and
+    ends quietly; what is left goes to /dev/null."""
+    with closed_stdout():
+        assert plan.main(["--machine", "e"]) == 0
+
+
+def test_ctl_flushes_into_a_closed_pipe_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def status(args: object) -> int:
+        print("a short answer, well inside the buffer")
+        return 0
+
+    monkeypatch.setattr(ctl, "_run", status)
+    with closed_stdout():
+        assert ctl.main(["status"]) == 0
 
 
 # ---- cpuservice-run ----

@@ -1,7 +1,6 @@
 """Lending idle exclusive CPUs (issue 26), the pure part (cpuservice.model.lending): what may be
-lent, what is lent now, which CPUs the borrow slice may share during a change, and the
-controller's hysteresis on a fake clock; the options, the checkpoint rows and the Descriptions
-that carry it."""
+lent, what is lent now, which CPUs the borrow slice may share during a change (the controller:
+test_lending_control.py); the options, the checkpoint rows and the Descriptions that carry it."""
 
 from __future__ import annotations
 
@@ -10,8 +9,6 @@ from decimal import Decimal
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from cpuservice.apply import units
 from cpuservice.host.checkpoint import Store, from_payload
@@ -20,23 +17,17 @@ from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import InvalidArgument
 from cpuservice.model.fixtures import MACHINES
 from cpuservice.model.lending import (
-    Action,
-    Lender,
     all_lent,
     borrowed,
     lendable,
     lent,
     lent_by,
-    load_percent,
-    resync,
     shareable,
-    step,
     with_lent,
 )
 from cpuservice.model.pools import Allocation, Fragment
 from cpuservice.model.request import Request
 from cpuservice.model.state import Record, State
-from tests.props import examples
 
 from .helpers import bind, ledger_for
 
@@ -110,56 +101,6 @@ def test_shareable_cpus_are_lent_on_one_side_and_nobody_elses() -> None:
     taken = State(moved.with_allocation(owner("1,9", name="new", lend=False)),
                   {**before.records, "new": Record()})
     assert shareable((B, before), (B, taken)) == CPUSet.parse("0,8")
-
-
-def test_the_controller_lends_after_idle_time_and_withdraws_when_busy() -> None:
-    cfg = config.validate({"lend_busy_percent": 20, "lend_idle_percent": 5,
-                           "lend_idle_seconds": 2})
-    lender, clock, actions = Lender(), 100.0, []
-
-    def sample(load: float | None, dt: float = 0.25) -> Action:  # exact in binary
-        nonlocal lender, clock
-        clock += dt
-        lender, action = step(lender, load, clock, cfg)
-        actions.append(action)
-        return action
-
-    for _ in range(8):  # 0 to 1.75 s since the first idle sample: not yet
-        assert sample(1.0) is Action.NONE and not lender.lent
-    assert sample(1.0) is Action.LEND and lender.lent  # 2 s
-    assert sample(10.0) is Action.NONE and lender.lent  # between the thresholds: stays lent
-    assert sample(20.0) is Action.NONE  # at the threshold: not above it
-    assert sample(20.5) is Action.WITHDRAW and not lender.lent
-    assert sample(1.0) is Action.NONE  # idle again: the clock starts anew
-    assert sample(10.0) is Action.NONE and lender.idle_since is None  # between: starts again
-    for _ in range(8):
-        assert sample(0.0) is Action.NONE
-    assert sample(0.0) is Action.LEND
-    assert sample(None) is Action.WITHDRAW  # unreadable counts as busy
-    assert sample(None) is Action.NONE
-    assert actions.count(Action.LEND) == 2 and actions.count(Action.WITHDRAW) == 2
-
-
-def test_no_idle_time_lends_at_the_first_idle_sample() -> None:
-    cfg = config.validate({"lend_idle_seconds": 0})
-    assert step(Lender(), 0.0, 5.0, cfg) == (Lender(True, 5.0), Action.LEND)
-
-
-def test_load_percent() -> None:
-    assert load_percent((0.0, 0), (0.05, 25_000), 2) == pytest.approx(25.0)
-    assert load_percent((0.0, 0), (0.0, 10), 2) is None
-    assert load_percent((0.0, 100), (1.0, 50), 2) is None  # the cgroup was made again
-    assert load_percent((0.0, 0), (1.0, 10), 0) is None
-
-
-def test_resync_follows_the_state() -> None:
-    s = state_of(owner("0,8"), owner("1,9", name="p"), lent_cpus={"o": "0,8"})
-    lenders = resync({}, B, s, 7.0)
-    assert lenders == {"o": Lender(True, 7.0), "p": Lender(False, None)}
-    kept = {"o": Lender(True, 1.0), "p": Lender(False, 3.0), "gone": Lender(True, 1.0)}
-    assert resync(kept, B, s, 7.0) == {"o": Lender(True, 1.0), "p": Lender(False, 3.0)}
-    # SetLending(off) then on, or a Resize that took every lent CPU: the state says unlent
-    assert resync(kept, B, with_lent(s, {"o": EMPTY}), 9.0)["o"] == Lender(False, None)
 
 
 # ---- the options ----
@@ -245,30 +186,6 @@ def test_lending_configuration_is_bounded() -> None:
                 {"lend_idle_percent": 30, "lend_busy_percent": 25}):
         with pytest.raises(config.ConfigError, match=next(iter(bad))):
             config.validate(bad)
-
-
-@settings(max_examples=examples(200))
-@given(loads=st.lists(st.one_of(st.none(), st.floats(0, 400)), max_size=60),
-       idle_seconds=st.sampled_from([0.0, 0.1, 0.25, 2.0]))
-def test_the_controller_never_lends_a_busy_owner(loads: list[float | None],
-                                                  idle_seconds: float) -> None:
-    """On any load sequence: a lend only after lend_idle_seconds below the idle threshold, a
-    withdrawal only of lent cores and at once when a sample is above the busy one (or cannot
-    be read), and the lender's state is what its actions say."""
-    cfg = config.validate({"lend_idle_seconds": idle_seconds})
-    lender, now, idle_from = Lender(), 0.0, None
-    for load in loads:
-        now += 0.05
-        was = lender.lent
-        lender, action = step(lender, load, now, cfg)
-        busy = load is None or load > cfg.lend_busy_percent
-        idle_from = (idle_from if idle_from is not None else now) if (
-            load is not None and load < cfg.lend_idle_percent) else None
-        assert lender.lent == (action is Action.LEND or (was and action is Action.NONE))
-        if busy:
-            assert not lender.lent and (action is Action.WITHDRAW) == was
-        if action is Action.LEND:
-            assert not was and idle_from is not None and now - idle_from >= idle_seconds
 
 
 def test_usage_is_read_from_cpu_stat(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from cpuservice.host import metrics
 from cpuservice.model import lending
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import CPUServiceError, InvalidArgument
+from cpuservice.shell.lending import Action
 from cpuservice.shell.service import Service
 from tests.props import examples
 from tests.unit.fake_systemd import BORROW, Crash
@@ -38,15 +39,31 @@ def group(svc: Service, name: str) -> str:
 
 
 async def tick(host: Host, svc: Service, busy: dict[str, float] | None = None,
-               n: int = 1) -> None:
-    """``n`` samples, SAMPLE apart; each owner in ``busy`` used that many of its CPUs, the
-    others none."""
+               n: int = 1, threads: dict[str, dict[int, float]] | None = None) -> None:
+    """``n`` samples, SAMPLE apart; each owner in ``busy`` used that many CPUs' worth in
+    threads the loop cannot see (on any core, as far as it knows); in ``threads``, its thread
+    on each CPU given (tid: the CPU + 1) ran that share of the sample there; the others
+    nothing."""
     for _ in range(n):
         host.clock += SAMPLE
         for name, cpus in (busy or {}).items():
             key = group(svc, name)
             host.usage[key] = host.usage.get(key, 0) + int(cpus * SAMPLE * 1e6)
+        for name, shares in (threads or {}).items():
+            key = group(svc, name)
+            table = host.threads.setdefault(key, {})
+            for cpu, share in shares.items():
+                ran = int(share * SAMPLE * 1e9)
+                table[cpu + 1] = (table.get(cpu + 1, (0, cpu))[0] + ran, cpu)
+                host.usage[key] = host.usage.get(key, 0) + ran // 1000
         await svc.lending.sample()
+
+
+def idle_threads(host: Host, svc: Service, name: str) -> None:
+    """One thread of ``name`` on each of its CPUs, idle so far (tid: the CPU + 1)."""
+    host.usage.setdefault(group(svc, name), 0)
+    host.threads[group(svc, name)] = {
+        cpu + 1: (0, cpu) for cpu in svc.ledger.allocations[name].whole}
 
 
 async def lender(host: Host, cpus: str = "4") -> Service:
@@ -54,7 +71,7 @@ async def lender(host: Host, cpus: str = "4") -> Service:
     svc = await host.service()
     await svc.allocate("o", cpus, LEND, 1000)
     await svc.allocate("b", "2", {"borrow": True}, 1000)
-    host.usage[group(svc, "o")] = 0
+    idle_threads(host, svc, "o")
     return svc
 
 
@@ -77,21 +94,29 @@ def test_an_idle_owner_lends_and_a_busy_one_is_withdrawn(tmp_path: Path) -> None
         assert manager[-1][0] == {"LentCPUs": owner.format()}
         values = views.allocation(svc.topology, svc.state, "b")
         assert CPUSet.parse(values["CPUSet"]) == svc.ledger.shared | owner
-        await tick(host, svc, {"o": 0.5}, n=5)  # 12.5 %: between the thresholds, stays lent
+        first = svc.topology.siblings(min(owner))
+        other = owner - first
+        # 12 % of a CPU on one core: between the thresholds, stays lent
+        await tick(host, svc, threads={"o": {max(other): 0.12}}, n=5)
         assert svc.record("o").lent == owner
         withdraw = fake.mark()
-        await tick(host, svc, {"o": 1.0})  # 25 % of its 4 CPUs: busy
+        await tick(host, svc, threads={"o": {min(owner): 1.0}})  # busy on one core: that one
         assert fake.writes[withdraw[1]].unit == BORROW  # one change, the borrow slice first
-        assert fake.cpus(BORROW) == svc.ledger.shared
-        assert svc.record("o").lent == EMPTY
+        assert fake.cpus(BORROW) == svc.ledger.shared | other
+        assert svc.record("o").lent == other
         assert rec.events[-1].kind == Kind.WITHDRAWN
-        assert "busy: load 25%" in rec.events[-1].message
-        assert ("changed", ("o", {"LentCPUs": ""})) in host.events.seen
+        assert dict(rec.events[-1].extra)["WITHDRAWN"] == first.format()
+        assert "busy: load 100% of a CPU" in rec.events[-1].message
+        assert ("changed", ("o", {"LentCPUs": other.format()})) in host.events.seen
         text = parse(metrics.render(svc.topology, svc.state, svc.engine.counters, "9"))
         assert text["cpuservice_lending_withdrawals_total"] == 1
         assert text["cpuservice_lending_withdraw_seconds_count"] == 1
-        assert text["cpuservice_lent_cpus"] == 0
+        assert text["cpuservice_lent_cpus"] == 2
         assert text["cpuservice_lent_cpu_seconds_total"] == pytest.approx(4 * 6 * SAMPLE)
+        await tick(host, svc, threads={"o": {min(owner): 1.0}}, n=40)  # it stays busy
+        assert svc.record("o").lent == other
+        await tick(host, svc, {"o": 1.0})  # a CPU's worth it cannot place: on every core
+        assert svc.record("o").lent == EMPTY and fake.cpus(BORROW) == svc.ledger.shared
         await tick(host, svc, {"o": 1.0}, n=3)
         await tick(host, svc, n=33)  # idle again for 2 s: lent again
         assert svc.record("o").lent == owner
@@ -219,7 +244,7 @@ def test_hotplug_repair_of_a_lending_owner(tmp_path: Path) -> None:
         assert lending.lent(svc.topology, svc.state, "o") <= now
         agree(svc, host.fake)
         check_window(host.fake, mark, owner | now, lent=lent)
-        await tick(host, svc, n=3)  # lent again in full: its cores as they are now
+        await tick(host, svc, n=33)  # lent again in full: its cores as they are now, idle
         assert lending.lent(svc.topology, svc.state, "o") == lending.lendable(
             svc.topology, svc.ledger.allocations["o"])
         agree(svc, host.fake)
@@ -290,7 +315,7 @@ def test_a_stop_during_a_lend_in_flight_leaves_nothing_lent(tmp_path: Path) -> N
         loop = svc.lending
         if loop._task is not None:
             loop._task.cancel()
-        loop._task = asyncio.create_task(loop.commit(["o"], lending.Action.LEND, host.clock, {}))
+        loop._task = asyncio.create_task(loop.commit({"o": owner}, Action.LEND, host.clock, {}))
         await applied.wait()
         stopping = asyncio.create_task(loop.shutdown())  # the daemon's drain
         await asyncio.sleep(0.01)
@@ -372,7 +397,8 @@ def sequence(seed: int, length: int = 20) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
     for _ in range(length):
         kind = rng.choices(["allocate", "release", "resize", "set-lending", "idle", "busy",
-                            "offline", "fail", "crash"], [6, 2, 2, 2, 6, 4, 1, 1, 1])[0]
+                            "thread", "offline", "fail", "crash"],
+                           [6, 2, 2, 2, 6, 4, 3, 1, 1, 1])[0]
         if kind == "allocate":
             out.append((kind, rng.choice(names), rng.choice(["1", "2", "4", "0.5", "2.5"]),
                         rng.choices(list(OPTIONS), [1, 4, 2, 1])[0]))
@@ -380,6 +406,8 @@ def sequence(seed: int, length: int = 20) -> list[tuple[Any, ...]]:
             out.append((kind, rng.choice(names)))
         elif kind == "busy":  # the n-th allocation that lends, when the action runs
             out.append((kind, rng.randint(0, 3)))
+        elif kind == "thread":  # a thread of the n-th lender busy on its k-th CPU
+            out.append((kind, rng.randint(0, 3), rng.randint(0, 7)))
         elif kind == "resize":
             out.append((kind, rng.choice(names), rng.choice(["1", "2", "4"])))
         elif kind == "set-lending":
@@ -401,8 +429,8 @@ def lent_units(svc: Service) -> dict[int, str]:
 @settings(max_examples=examples(30))
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_lending_sequences(tmp_path_factory: Any, seed: int) -> None:
-    """Whatever happens (requests, lending on and off, idle and busy owners, hotplug,
-    failures, crashes): systemd holds the state, the borrow slice holds exactly the shared
+    """Whatever happens (requests, lending on and off, idle and busy owners, busy threads,
+    hotplug, failures, crashes): systemd holds the state, the borrow slice holds exactly the shared
     pool and what is lent now, and at no instant is a CPU in the borrow slice and a unit other
     than the one of the allocation that may lend it."""
     tmp = tmp_path_factory.mktemp("lending")
@@ -432,6 +460,16 @@ def test_random_lending_sequences(tmp_path_factory: Any, seed: int) -> None:
                     owners = lending.lenders(svc.state)
                     busy = {owners[action[1] % len(owners)]: 4.0} if owners else {}
                     await tick(host, svc, busy, n=2)
+                elif kind == "thread":
+                    owners = lending.lenders(svc.state)
+                    name = owners[action[1] % len(owners)] if owners else ""
+                    cpus = list(svc.ledger.allocations[name].whole) if name else []
+                    if cpus:
+                        cpu = cpus[action[2] % len(cpus)]
+                        await tick(host, svc, threads={name: {cpu: 1.0}}, n=2)
+                        if svc.ledger.allocations.get(name) is not None:  # its core: never
+                            assert not (lending.lent(svc.topology, svc.state, name)
+                                        & svc.topology.siblings(cpu))
                 else:
                     host.offline(action[1])
                     await svc.revalidate(full=False)

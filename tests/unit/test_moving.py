@@ -18,7 +18,7 @@ from cpuservice.apply.audit import Recorder as AuditRecorder
 from cpuservice.apply.change import Change
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InsufficientCPUs, InvalidArgument, SystemdFailure
-from cpuservice.model.pools import Allocation
+from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.state import Record, State
 from cpuservice.placement.defrag import whole_free_cores
 from cpuservice.shell.service import Service
@@ -177,4 +177,77 @@ def test_set_movable(tmp_path: Path) -> None:
             await svc.allocate("big", "2", FULL2, 0)
         again = await host.service()
         assert again.ledger.allocations["p3"].request.options.movable == "no"
+    run(body)
+
+
+async def _pool_swap(host: Host) -> Service:
+    """Fixture d (CPUs 0-2, 4-5, 16, 18-21; cores {0,1} {2} {4,5} {16} {18,19} {20,21};
+    20-21 isolated): a13 on 0-1 (not movable), a14 (spread-pcpus, movable) on 2 and 5, a15 on
+    18-19, a2 on 20; the shared pool is 4 and 16, CPU 21 is free and isolated. A whole core
+    for "x" (full-pcpus, 2) is made by moving a14 to 16 and 21: x takes 4-5 and the shared
+    pool, which had 4 and 16, ends with 2 alone. The pool and a14 each wait for a CPU the
+    other holds, and nothing else is free to pass through (found by a random run, issue 37
+    item 2)."""
+    svc = await host.service()
+    ledger = ledger_for(svc.topology)
+    records = {}
+    for name, cpus, options in (("a13", "0-1", {}), ("a14", "2,5", {"movable": "anywhere",
+                                                                      "policy": "spread-pcpus"}),
+                                ("a15", "18-19", {"policy": "full-pcpus"}),
+                                ("a2", "20", {})):
+        held = CPUSet.parse(cpus)
+        ledger = ledger.with_allocation(Allocation(name, bind(str(len(held)), **options), held))
+        records[name] = Record(0, units.slice_name(name, True, "none"))
+    await svc.engine.apply(Change(State(ledger, records), None))
+    agree(svc, host.fake)
+    assert svc.ledger.shared == CPUSet.parse("4,16")
+    return svc
+
+
+@pytest.mark.parametrize("confine", [False, True])
+def test_a_move_that_swaps_cpus_with_the_shared_pool_never_double_books(
+        tmp_path: Path, confine: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 37 item 2: the moved allocation lands on the shared pool's CPUs and the pool takes
+    its old ones, with no CPU free to pass through. The transaction used to be applied in name
+    order (the new slice started on a CPU a14 still held; with confine_host, the host's slices
+    kept a14's new CPU). Now the pool's holders first narrow to one CPU the move does not
+    need, and no instant has an exclusive CPU in two units."""
+    async def body() -> None:
+        host = Host(tmp_path, machine="d", confine_host=confine)
+        svc = await _pool_swap(host)
+        mark, exclusive = host.fake.mark(), svc.ledger.exclusive
+        big = await svc.allocate("x", "2", FULL2, 0)
+        assert big.whole == CPUSet.parse("4-5")
+        assert svc.ledger.allocations["a14"].whole == CPUSet.parse("16,21")
+        assert svc.ledger.shared == CPUSet.parse("2")
+        agree(svc, host.fake)
+        check_window(host.fake, mark, exclusive | svc.ledger.exclusive)
+        assert "pass through" not in caplog.text
+    run(body)
+
+
+def test_a_repack_passes_over_moves_with_no_safe_order(tmp_path: Path) -> None:
+    """The service asks the engine whether each re-pack result can be applied in an order
+    that keeps the ordering rule (Engine.orderable): a result it cannot is passed over for
+    other moves; with none left the request is refused and nothing changes."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await lone_threads(host)
+        asked: list[int] = []
+        real = svc.engine.orderable
+
+        def p0_stays(ledger: Ledger, records: Any = None) -> bool:  # p0: the first choice
+            asked.append(1)
+            return real(ledger, records) and ledger.allocations["p0"].whole == CPUSet((0,))
+
+        svc.engine.orderable = p0_stays  # type: ignore[method-assign]
+        await svc.allocate("big", "2", FULL2, 0)
+        assert asked and svc.ledger.allocations["p0"].whole == CPUSet((0,))
+        assert any(svc.ledger.allocations[f"p{c}"].whole != CPUSet((c,)) for c in range(8))
+        agree(svc, host.fake)
+        svc.engine.orderable = lambda ledger, records=None: False  # type: ignore[method-assign]
+        before, mark = svc.state, host.fake.mark()
+        with pytest.raises(InsufficientCPUs):
+            await svc.allocate("big2", "2", FULL2, 0)
+        assert svc.state is before and host.fake.mark() == mark
     run(body)

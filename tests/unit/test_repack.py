@@ -117,6 +117,32 @@ def test_nothing_moves_that_may_not(machine) -> None:
     assert repack(t, _lone_threads(t), "x", FULL2, allowed=lambda n: n == "p3") is not None
 
 
+def test_moves_the_caller_cannot_order_are_passed_over(machine) -> None:
+    """Issue 37 item 2: a result whose ledger the caller judges unsafe (systemd cannot be
+    taken there in an order that keeps the ordering rule) is not returned; the search goes on
+    to other moves, and says None when every result is unsafe."""
+    t = machine("b")
+    ledger = _lone_threads(t)
+    first = repack(t, ledger, "x", FULL2)
+    assert first is not None
+    (moved,) = [m.name for m in first[2]]
+    seen: list[Ledger] = []
+
+    def safe(after: Ledger) -> bool:  # the first result's mover may not move
+        seen.append(after)
+        return after.allocations[moved] == ledger.allocations[moved]
+
+    other = repack(t, ledger, "x", FULL2, safe=safe)
+    assert other is not None and seen
+    check_result(t, ledger, "x", FULL2, other)
+    assert moved not in {m.name for m in other[2]} and safe(other[0])
+    assert repack(t, ledger, "x", FULL2, safe=lambda _: False) is None
+    done, moves = defragment(t, ledger, safe=lambda after: after.allocations["p0"]
+                             == ledger.allocations["p0"])
+    assert moves and "p0" not in {m.name for m in moves} and done.allocations["p0"].whole
+    assert defragment(t, ledger, safe=lambda _: False) == (ledger, ())
+
+
 def test_movable_node_stays_in_its_node_anywhere_may_leave(machine) -> None:
     """Node 0 (cores 0-3) holds four lone threads of node-movable allocations, node 1 three
     cores of a pinned allocation; core 7 is free. 4 full-pcpus CPUs could take core 7 and one

@@ -5,7 +5,8 @@ every step, a crash at every step, and random sequences of all of these."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -98,14 +99,22 @@ class Host:
         self.kernel = FakeKernel(self.fake)
         self.foreign: set[str] = set()
         # the lending controller's view of the kernel: each cgroup's usage_usec (the fake's
-        # ControlGroup is "/" + the unit), and its clock; tests call svc.lending.sample()
+        # ControlGroup is "/" + the unit), its threads (tid -> run time in ns, the CPU it ran
+        # on last; none: all its usage is unplaced), whether this host can lend, and its
+        # clock; tests call svc.lending.sample()
         self.usage: dict[str, int] = {}
+        self.threads: dict[str, dict[int, tuple[int, int]]] = {}
+        self.can_lend = True
         self.clock = 1000.0
 
     async def service(self) -> Service:
         svc = assemble(self.cfg, self.fake, Store(self.cfg.state_file), self.kernel)
         svc.events = self.events = Recorder()
+        svc.engine.detect_lending = lambda: (self.can_lend, "" if self.can_lend
+                                             else "a hybrid cgroup hierarchy here")
         svc.lending.read_usage = self.usage.get
+        svc.lending.read_threads = lambda group, known: (
+            dict(self.threads.get(group, {})) if group in self.usage else None)
         svc.lending.clock = lambda: self.clock
         svc.lending.sleep = _never
         await svc.start()
@@ -146,9 +155,10 @@ def agree(svc: Service, fake: FakeSystemd) -> None:
 
 
 def check_window(fake: FakeSystemd, mark: tuple[int, int], exclusive: CPUSet,
-                 foreign: set[str] | None = None, lent: dict[int, str] | None = None) -> None:
+                 foreign: set[str] | None = None,
+                 lent: Mapping[int, str | AbstractSet[str]] | None = None) -> None:
     """Since ``mark``: no instant broke the ordering rule, no empty AllowedCPUs was written
-    (``lent``: cpu -> the unit that may share it with the borrow slice)."""
+    (``lent``: cpu -> the unit, or units, that may share it with the borrow slice)."""
     assert violations(fake.timeline[mark[0]:], exclusive, lent) == []
     assert empty_writes(fake.writes[mark[1]:], foreign or set()) == []
 

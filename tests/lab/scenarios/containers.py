@@ -1,8 +1,9 @@
 """VM lab scenario: podman containers on allocated CPUs, the three ways people start them (the
-README's "Containers" recipes are these commands). For each, the container's main process:
-its Cpus_allowed_list and its cgroup, which must be the allocation's CPUs and a child of its
-unit. Prints lines starting with ``RESULT `` (JSON); a failed check prints ``FAILED STEP: ...``
-and exits 1.
+README's "Containers" recipes are these commands; their containers' PID 1 ends on SIGTERM, so
+no stop waits out systemd's 90 s, and the attached one ends once it has been seen). For each,
+the container's main process: its Cpus_allowed_list and its cgroup, which must be the
+allocation's CPUs and a child of its unit. Prints lines starting with ``RESULT `` (JSON); a
+failed check prints ``FAILED STEP: ...`` and exits 1.
 
     python3 containers.py setup|parent|run|service
 """
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Any
 
 IMAGE = "localhost/bb:1"
+# a container's PID 1 that ends on SIGTERM: one that ignores it, as sleep does as PID 1, is
+# killed only after systemd's 90 s stop timeout, so releasing an allocation (which stops its
+# slice) or stopping a service would take that long
+WAITS = "sh -c 'trap \"exit 0\" TERM; sleep 600 & wait'"
 STORAGE = """[storage]
 driver = "vfs"
 runroot = "/run/containers/storage"
@@ -116,10 +121,7 @@ def parent() -> None:
     what --cpuset-cpus does on top; hotplug repair reaching the container; release."""
     sh("cpuservicectl --no-pager allocate web 2 --bind -q")
     unit = show("web", "Unit")
-    # a PID 1 that ends on SIGTERM (one that ignores it, as sleep does, is killed after
-    # systemd's 90 s stop timeout: the release then takes that long)
-    sh(f"podman run -d --name web --network none --cgroup-parent={unit} {IMAGE} "
-       "sh -c 'trap \"exit 0\" TERM; sleep 600 & wait'")
+    sh(f"podman run -d --name web --network none --cgroup-parent={unit} {IMAGE} {WAITS}")
     placed("parent", "web", "web", unit)
     mine = cpus(show("web", "CPUSet"))
     online = cpus(Path("/sys/devices/system/cpu/online").read_text())
@@ -127,7 +129,7 @@ def parent() -> None:
     seen = {}
     for label, cpu in (("inside", mine[-1]), ("outside", other)):
         sh(f"podman run -d --name web-{label} --network none --cgroup-parent={unit} "
-           f"--cpuset-cpus={cpu} {IMAGE} sleep 600")
+           f"--cpuset-cpus={cpu} {IMAGE} {WAITS}")
         seen[label] = {"asked": cpu, **container(f"web-{label}")}
     result(check="cpuset-cpus", allocation=mine, **seen)
     victim = max(c for c in mine if c != 0)
@@ -151,18 +153,24 @@ def parent() -> None:
 
 def run() -> None:
     """2. cpuservice-run -- podman run: attached, detached, and a refused option."""
+    # the attached container runs until it has been seen (not for a fixed time): it ends when
+    # /run/job-go/done appears (a bind mount in it)
+    go = Path("/run/job-go")
+    go.mkdir(exist_ok=True)
     wrapper = subprocess.Popen(
         ["cpuservice-run", "--cpus", "2", "--bind", "--name", "job", "--", "podman", "run",
-         "--rm", "--name", "job", "--network", "none", IMAGE, "sleep", "15"],
+         "--rm", "--name", "job", "--network", "none", "-v", f"{go}:/go", IMAGE, "sh", "-c",
+         "while [ ! -e /go/done ]; do sleep 0.2; done"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     unit = until("the allocation of cpuservice-run", lambda: held("job") and show("job", "Unit"))
     placed("run", "job", "job", unit)
+    (go / "done").touch()
     out, _ = wrapper.communicate(timeout=120)
     until("job released after its container ended", lambda: not held("job"))
     result(check="run-ended", exit=wrapper.returncode, output=out[-300:])
     began = time.monotonic()
     sh(f"cpuservice-run --cpus 1 --bind --name batch -- podman run -d --name batch "
-       f"--network none {IMAGE} sleep 600")
+       f"--network none {IMAGE} {WAITS}")
     returned = round(time.monotonic() - began, 1)
     placed("detached", "batch", "batch", show("batch", "Unit"))
     sh("podman stop -t 1 batch")
@@ -181,7 +189,7 @@ def service() -> None:
     """3. A container run as a systemd service (podman generate systemd --new, with
     --cgroups=split so that the container stays in the service's cgroup), allocated with
     unit=; the container follows, also after the service restarts."""
-    sh(f"podman create --name db --network none {IMAGE} sleep 1000")
+    sh(f"podman create --name db --network none {IMAGE} {WAITS}")
     sh("podman generate systemd --new --name db "
        "| sed 's/--cgroups=no-conmon/--cgroups=split/' > /etc/systemd/system/container-db.service")
     sh("systemctl daemon-reload && systemctl start container-db.service", timeout=180)

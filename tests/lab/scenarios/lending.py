@@ -10,9 +10,13 @@ machine) lends them; a borrower (unbound, option borrow, as many CPUs as the mac
 makes the owner busy (two spinning processes in its slice) and watches, every 10 ms, the borrow
 slice's ``cpuset.cpus.effective``, the borrower's cgroup's, each borrower task's
 ``Cpus_allowed_list`` and the CPU it last ran on: from the first instant the withdrawal is seen,
-no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), is released
-while lent, and a new bound allocation takes the same CPUs: the borrower must never be on them
-again.
+no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), and one of
+its threads, pinned to one of its CPUs, spins for a while (issue 37: lending is per core): every
+10 ms the CPU each owner thread that ran since the last look ran on last, and where the
+borrower is; from the withdrawal of that core on, no borrower may be on a core, or its sibling,
+that an owner thread ran on in the previous 50 ms (a sample of the daemon), while the owner's
+other core stays lent. Then the owner is released while lent, and a new bound allocation takes
+the same CPUs: the borrower must never be on them again.
 
 ``bench`` runs one cyclictest (SCHED_OTHER, a low duty cycle: one wake-up every 10 ms per
 thread) on the owner's CPUs, with the borrower running, and measures two windows of it: lent,
@@ -40,12 +44,14 @@ OWNER_CPUS = os.environ.get("CPUSERVICE_LENDING_OWNER", "4")  # bound CPUs, whol
 BORROW = CGROUP / "cpuservice.slice/cpuservice-borrow.slice"
 SPIN = Path("/run/lending-spin")
 WAKE = Path("/run/lending-wake")  # a FIFO: the spinners sleep in open() until it is opened
+PIN = Path("/run/lending-pin")  # the same for the spinner pinned to one CPU
+PIN_WAKE = Path("/run/lending-pin-wake")
 # no CPU time at all while idle (a look every few ms would be a load of its own under TCG):
-# blocked until WAKE is opened for writing, then busy while SPIN exists
-SPINNER = f"""import os
+# blocked until the FIFO is opened for writing, then busy while the flag file exists
+SPINNER = """import os
 while True:
-    os.close(os.open({str(WAKE)!r}, os.O_RDONLY))
-    while os.path.exists({str(SPIN)!r}):
+    os.close(os.open({wake!r}, os.O_RDONLY))
+    while os.path.exists({flag!r}):
         pass
 """
 
@@ -133,12 +139,13 @@ class Lab:
         rows = await self.c.allocations()
         self.cpus = parse(rows["owner"][3])
         self.owner_unit = str(await self.c.prop("Unit", rows["owner"][4], ALLOCATION))
-        SPIN.unlink(missing_ok=True)
-        WAKE.unlink(missing_ok=True)
+        for path in (SPIN, WAKE, PIN, PIN_WAKE):
+            path.unlink(missing_ok=True)
         os.mkfifo(WAKE)
+        os.mkfifo(PIN_WAKE)
         for i in range(2):  # asleep until woken: then each keeps a CPU busy while SPIN is
             run("systemd-run", f"--slice={self.owner_unit}", f"--unit=lend-spin{i}",
-                "python3", "-c", SPINNER)
+                "python3", "-c", SPINNER.format(wake=str(WAKE), flag=str(SPIN)))
         # one integer method: the default cycles through methods whose vector instructions
         # QEMU's software CPU claims but does not implement (SIGILL)
         run("systemd-run", "--slice=cpuservice-borrow-borrower.slice", "--unit=lend-borrower",
@@ -155,7 +162,34 @@ class Lab:
                 return time.monotonic() - start
             await asyncio.sleep(0.02)
         raise SystemExit(f"FAILED STEP: the owner's CPUs {sorted(self.cpus)} were not lent "
-                         f"within {seconds} s")
+                         f"within {seconds} s; {await self.owner_load()}")
+
+    async def owner_load(self, seconds: float = 2.0) -> str:
+        """What the daemon sees of the owner, for a failure's message: its cgroup's usage in
+        50 ms windows (the share of them at or above lend_idle_percent, 5 %, and the largest)
+        and each of its threads' share over ``seconds``."""
+        group = group_of(self.owner_unit)
+        files = thread_files(group)
+        before = {t: runtime(t) or 0 for t in threads_of(files)}
+        windows, last, start = [], usage(group), time.monotonic()
+        while time.monotonic() - start < seconds:
+            t0 = time.monotonic()
+            await asyncio.sleep(0.05)
+            now = usage(group)
+            windows.append((now - last) / (time.monotonic() - t0) * 100)
+            last = now
+        took = time.monotonic() - start
+        shares = []
+        for tid in threads_of(files):
+            comm = "?"
+            with contextlib.suppress(OSError):
+                comm = Path(f"/proc/{tid}/comm").read_text().strip()
+            ran = (runtime(tid) or 0) - before.get(tid, 0)
+            shares.append(f"{tid} {comm} {ran / 1e7 / took:.1f}%")
+        busy = sum(w >= 5 for w in windows)
+        return (f"owner load in 50 ms windows: {busy} of {len(windows)} at 5 % or more, max "
+                f"{max(windows, default=0):.1f} %, mean {sum(windows) / max(1, len(windows)):.1f} "
+                f"%; threads: {', '.join(shares)}")
 
     def borrower_on(self, cpus: set[int]) -> list[str]:
         """Where the borrower is on ``cpus``: the borrow slice's and its own cgroup's
@@ -195,12 +229,26 @@ class Lab:
         except OSError as exc:  # ENXIO: no spinner is waiting
             raise SystemExit(f"FAILED STEP: no spinner to wake: {exc}") from None
 
+    def pinned(self, cpu: int) -> None:
+        """One more spinner of the owner, pinned to ``cpu``, asleep until pin() wakes it."""
+        run("systemd-run", f"--slice={self.owner_unit}", "--unit=lend-pinned", "taskset", "-c",
+            str(cpu), "python3", "-c", SPINNER.format(wake=str(PIN_WAKE), flag=str(PIN)))
+
+    def pin(self) -> None:
+        PIN.touch()
+        try:
+            os.close(os.open(PIN_WAKE, os.O_WRONLY | os.O_NONBLOCK))
+        except OSError as exc:
+            raise SystemExit(f"FAILED STEP: the pinned spinner is not waiting: {exc}") from None
+
     def idle(self) -> None:
         SPIN.unlink(missing_ok=True)
+        PIN.unlink(missing_ok=True)
 
     def teardown(self) -> None:
         self.idle()
-        for unit in ("lend-spin0", "lend-spin1", "lend-borrower", "lend-cyclictest"):
+        for unit in ("lend-spin0", "lend-spin1", "lend-pinned", "lend-borrower",
+                     "lend-cyclictest"):
             subprocess.run(["systemctl", "stop", unit], capture_output=True)
 
 
@@ -214,11 +262,12 @@ async def watch(lab: Lab, cpus: set[int], seconds: float) -> list[str]:
     return out
 
 
-async def ran_on(lab: Lab, seconds: float) -> set[int]:
-    """The CPUs the borrower's tasks were seen last running on, every 10 ms for ``seconds``."""
+async def ran_on(lab: Lab, seconds: float, enough: set[int] | None = None) -> set[int]:
+    """The CPUs the borrower's tasks were seen last running on, every 10 ms for ``seconds``, or
+    until one of them was one of ``enough``."""
     seen: set[int] = set()
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not (enough and seen & enough):
         seen |= {x[1] for tid in tasks(group_of("lend-borrower"))
                  if (x := task_cpus(tid)) is not None}
         await asyncio.sleep(0.01)
@@ -228,14 +277,122 @@ async def ran_on(lab: Lab, seconds: float) -> set[int]:
 # the kernel updates a cgroup's effective CPUs, then its tasks' masks, in one write: a look
 # right after the first may catch the second half-way; what counts is from this long after
 SETTLE = 0.05
+WINDOW = 0.05  # the daemon's sample (lend_sample_ms): "the previous sample window"
+
+
+def runtime(tid: int) -> int | None:
+    """A thread's run time in ns (/proc/TID/schedstat; None: it is gone)."""
+    try:
+        return int(Path(f"/proc/{tid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def last_cpu(tid: int) -> int | None:
+    """The CPU a thread ran on last (/proc/TID/stat field 39; None: it is gone)."""
+    try:
+        return int(Path(f"/proc/{tid}/stat").read_text().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def thread_files(cgroup: Path) -> list[Path]:
+    """The cgroup.threads files of the cgroup and those below it (found once: a look every
+    10 ms reads only these)."""
+    return list(cgroup.rglob("cgroup.threads"))
+
+
+def threads_of(files: list[Path]) -> list[int]:
+    out: list[int] = []
+    for f in files:
+        with contextlib.suppress(OSError):
+            out += [int(t) for t in f.read_text().split()]
+    return out
+
+
+def core_of(cpu: int) -> set[int]:
+    """``cpu`` and its SMT siblings."""
+    path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+    return parse(path.read_text().strip())
+
+
+async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
+    """Issue 37: the pinned spinner runs on one core of the owner for ``seconds``. Every
+    10 ms: the cores the owner's threads ran on since the last look (the CPU each last ran
+    on, if its run time grew), where the borrower is (its tasks' last CPUs and the borrow
+    slice's effective CPUs), and whether the owner's other cores are lent. From the look that
+    finds the spinner's core withdrawn (and SETTLE after it), a borrower on a core an owner
+    thread ran on in the previous WINDOW (or since the look before) is a violation."""
+    owner = thread_files(group_of(lab.owner_unit))
+    own = thread_files(group_of("lend-borrower"))
+    spinner_core = core_of(min(lab.cpus))
+    others = lab.cpus - spinner_core
+    cores = {cpu: core_of(cpu) for cpu in lab.cpus}
+    last: dict[int, int] = {}
+    history: list[tuple[float, set[int]]] = []  # (time, CPUs the owner ran on since the last)
+    violations: list[str] = []
+    withdrawn_at: float | None = None
+    looks = others_lent = 0
+    borrower_on_others: set[int] = set()
+    changes: list[str] = []  # when the other core came and went
+    lent_before = True
+    epoch = time.time()
+    start = time.monotonic()
+    lab.pin()
+    while (now := time.monotonic()) - start < seconds:
+        ran: set[int] = set()
+        for tid in threads_of(owner):
+            seen, before, cpu = runtime(tid), last.get(tid), last_cpu(tid)
+            if seen is None or cpu is None:
+                continue
+            last[tid] = seen
+            if before is not None and seen > before:
+                ran |= cores.get(cpu) or core_of(cpu)
+        history.append((now, ran))
+        borrow = effective(BORROW)
+        on = {cpu for tid in threads_of(own) if (cpu := last_cpu(tid)) is not None}
+        if withdrawn_at is None and not borrow & spinner_core:
+            withdrawn_at = now
+        if (others <= borrow) != lent_before:
+            lent_before = not lent_before
+            changes.append(f"{now - start:.3f}s: other core {'lent' if lent_before else 'gone'}")
+        if withdrawn_at is not None and now - withdrawn_at >= SETTLE:
+            looks += 1
+            others_lent += others <= borrow
+            borrower_on_others |= on & others
+            # the owner's cores in the previous WINDOW, and since the look before (under
+            # TCG a look may take longer than a window)
+            recent = set().union(*(cpus for t, cpus in history if now - t <= WINDOW + 0.01),
+                                 *(cpus for _, cpus in history[-2:]))
+            for cpu in sorted(on & recent):
+                violations.append(f"{now - start:.3f}s: a borrower on {cpu}, where the owner "
+                                  f"ran in the previous {WINDOW * 1000:.0f} ms")
+            if borrow & recent:
+                violations.append(f"{now - start:.3f}s: borrow slice has "
+                                  f"{sorted(borrow & recent)}")
+        await asyncio.sleep(0.01)
+    PIN.unlink(missing_ok=True)
+    journal = subprocess.run(["journalctl", "-q", "-o", "cat", "-u", "cpuservice",
+                              f"--since=@{epoch:.0f}"], capture_output=True, text=True).stdout
+    return {"spinner_core": sorted(spinner_core), "others": sorted(others),
+            "others_changes": changes[:20], "journal": journal.splitlines()[-20:],
+            "withdrawn_ms": None if withdrawn_at is None else (withdrawn_at - start) * 1000,
+            "owner_ran_on": sorted(set().union(*(c for _, c in history))),
+            "violations": violations[:20], "violation_count": len(violations),
+            "looks": looks, "others_lent_looks": others_lent,
+            "others_lent_at_end": others <= effective(BORROW),
+            "borrower_on_others": sorted(borrower_on_others)}
 
 
 async def check(c: Client) -> None:
     lab = Lab(c)
     await lab.setup()
+    lab.pinned(min(lab.cpus))
     try:
         took = await lab.wait_lent()
-        ran = sorted(await ran_on(lab, 2.0) & lab.cpus)  # the borrower spreads onto them
+        # the borrower spreads onto them: seen within 2 s on a quiet host, but its workers may
+        # take longer to start or move on a loaded one (the gate runs the lab beside other tiers)
+        ran = sorted(await ran_on(lab, 20.0, lab.cpus) & lab.cpus)
         result(check="lent", cpus=sorted(lab.cpus), seconds=took,
                borrow_slice=sorted(effective(BORROW)),
                borrower_cgroup=sorted(effective(group_of("lend-borrower"))), ran_on_lent=ran)
@@ -246,6 +403,9 @@ async def check(c: Client) -> None:
         lab.idle()
         again = await lab.wait_lent()
         result(check="lent-again", seconds=again)
+        result(check="per-core", **await per_core(lab, 8.0))
+        lab.idle()
+        await lab.wait_lent()  # the pinned core is lent again once its thread is idle
         # released while lent; a new owner of the same CPUs: never the borrower's again
         await c.call("Release", "s", ["owner"])
         await c.call("Allocate", "ssa{sv}", ["newowner", str(len(lab.cpus)), {
