@@ -316,8 +316,9 @@ class Engine:
             version, root = "", {}
         kernel, why = self.detect_kernel()
         lend, why_not_lend = self.detect_lending()
-        self.capabilities = partitions.Capabilities(version, partitions.PROPERTY in root,
-                                                    kernel, why, lend, why_not_lend)
+        self.capabilities = partitions.Capabilities(
+            version, partitions.PROPERTY in root, kernel, why,
+            lending=lend, lending_reason=why_not_lend)
         if not lend:
             log.warning("lending (option lend) is not available, allocations lend nothing: %s",
                         why_not_lend)
