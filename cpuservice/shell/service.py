@@ -9,7 +9,6 @@ import asyncio
 import itertools
 import logging
 import secrets
-import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -25,7 +24,7 @@ from cpuservice.host import journal
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.devices import Resolver
 from cpuservice.host.journal import Kind
-from cpuservice.model import compat, limits, nrt
+from cpuservice.model import compat, limits
 from cpuservice.model.errors import (
     CheckpointWriteError,
     CPUServiceError,
@@ -44,6 +43,7 @@ from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
 from cpuservice.shell.lending import Lending
 from cpuservice.shell.lifetime import Lifetime
+from cpuservice.shell.nrt_export import NrtExport
 from cpuservice.shell.partition_watch import PartitionHealer
 from cpuservice.shell.ports import Events
 from cpuservice.shell.statistics import Statistics
@@ -77,7 +77,7 @@ class Service:
         self.lending.identity = self.serial
         self.statistics = Statistics(engine)  # how each allocation fares (GetStatistics)
         self.generation = 0  # changes committed since the start: the NRT export's generation
-        self._nrt: tuple[tuple[object, ...], dict[str, Any]] | None = None  # the last export
+        self._nrt = NrtExport(self.config.default_options)
         engine.on_committed.append(self._count_commit)
 
     def _count_commit(self) -> None:
@@ -119,19 +119,8 @@ class Service:
         return replace(self.engine.snapshot(), generation=self.generation)
 
     def node_resource_topology(self, node_name: str = "") -> dict[str, Any]:
-        """The machine now as a NodeResourceTopology object (cpuservice.model.nrt), named
-        ``node_name`` (empty: this host's name); InvalidArgument for a bad name."""
-        snap = self.snapshot()
-        name = node_name or nrt.default_node_name(socket.gethostname())
-        key = (name, snap.generation, snap.state, snap.topology)
-        cached = self._nrt
-        if (cached is not None and cached[0][:2] == key[:2] and cached[0][2] is snap.state
-                and cached[0][3] is snap.topology):
-            return cached[1]  # unchanged since the last call (an unauthenticated read: cheap)
-        out = nrt.export(snap.topology, snap.state.ledger, name, snap.generation,
-                         self.config.default_options)
-        self._nrt = (key, out)
-        return out
+        """The machine now as a NodeResourceTopology object (see NrtExport)."""
+        return self._nrt(self.snapshot(), node_name)
 
     def count_request(self, method: str, result: str) -> None:
         """A finished D-Bus request, for the metrics."""
