@@ -431,8 +431,8 @@ def lent_units(svc: Service) -> dict[int, str]:
 def test_random_lending_sequences(tmp_path_factory: Any, seed: int) -> None:
     """Whatever happens (requests, lending on and off, idle and busy owners, busy threads,
     hotplug, failures, crashes): systemd holds the state, the borrow slice exists exactly while a
-    borrower does and holds exactly the shared pool and what is lent now, and at no instant is a CPU in the borrow slice and a unit other
-    than the one of the allocation that may lend it."""
+    borrower does and holds exactly the shared pool and what is lent now, and at no instant is a
+    CPU in the borrow slice and a unit other than the one of the allocation that may lend it."""
     tmp = tmp_path_factory.mktemp("lending")
     actions = sequence(seed)
 
