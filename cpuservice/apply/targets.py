@@ -73,8 +73,6 @@ class Targets:
         # since the last memo(): each name's entry and follower flag before it first changed,
         # so that restore() costs what the change touched, not what exists
         self._undo: Memo = Memo()
-        # whether the allocations of the last two ledgers asked (by identity) have a borrower
-        self._borrowing: list[tuple[Mapping[str, Allocation], bool]] = []
         # systemd knows CPUSetPartition (>= 261): otherwise a partition recorded earlier (a
         # checkpoint from before a downgrade) is a plain slice: systemd would refuse the property
         self.partitions = True
@@ -90,7 +88,7 @@ class Targets:
         lent CPUs too) and the named allocations' units."""
         out = {u: UnitSpec(units.shared_props(state.ledger.shared), own=False)
                for u in self.shared_units}
-        if self.borrowing(state.ledger):
+        if state.ledger.borrowers:
             out[units.BORROW] = UnitSpec(units.borrow_props(lending.borrowed(topology, state)),
                                          own=True)
         for name in names:
@@ -98,17 +96,6 @@ class Targets:
                 record = state.records.get(name, Record())
                 out[record.unit] = self.spec(topology, state, name)
         return out
-
-    def borrowing(self, ledger: Ledger) -> bool:
-        """Whether an allocation of ``ledger`` borrows (the borrow slice exists): asked of the
-        state before and after each change, so the last two answers are kept."""
-        allocations = ledger.allocations
-        for seen, answer in self._borrowing:
-            if seen is allocations:
-                return answer
-        answer = any(a.request.options.borrow for a in allocations.values())
-        self._borrowing = [*self._borrowing[-1:], (allocations, answer)]
-        return answer
 
     def shareable(self, topology: Topology, state: State, before: Mapping[str, UnitSpec]
                   ) -> CPUSet:

@@ -77,6 +77,12 @@ class Ledger:
         return CPUSet.union_all(a.whole for a in self.bound.values())
 
     @cached_property
+    def borrowers(self) -> int:
+        """How many allocations borrow (option borrow): the borrow slice exists while one does.
+        Carried from ledger to ledger (with_allocation, without) like the pools."""
+        return sum(1 for a in self.allocations.values() if a.request.options.borrow)
+
+    @cached_property
     def fragment_pieces(self) -> dict[int, int]:
         """Fragment CPU -> pieces used on it."""
         used: dict[int, int] = {}
@@ -126,31 +132,36 @@ class Ledger:
 
     def with_allocation(self, allocation: Allocation) -> Ledger:
         allocations = _copy(self.allocations)
+        before = allocations.get(allocation.name)
         allocations[allocation.name] = allocation
         bound = _copy(self.bound)
         gone = bound.pop(allocation.name, None)
         if allocation.bound:
             bound[allocation.name] = allocation
-        return self._with(allocations, bound, gone, allocation if allocation.bound else None)
+        return self._with(allocations, bound, gone, allocation if allocation.bound else None,
+                          _borrows(allocation) - _borrows(before))
 
     def without(self, name: str) -> Ledger:
         allocations = _copy(self.allocations)
-        del allocations[name]
+        before = allocations.pop(name)
         bound = _copy(self.bound)
         gone = bound.pop(name, None)
-        return self._with(allocations, bound, gone, None)
+        return self._with(allocations, bound, gone, None, -_borrows(before))
 
     def _with(self, allocations: dict[str, Allocation], bound: dict[str, Allocation],
-              gone: Allocation | None, added: Allocation | None) -> Ledger:
+              gone: Allocation | None, added: Allocation | None, borrowers: int = 0) -> Ledger:
         """A ledger with other allocations; the pools this one has computed are carried over,
         less what ``gone`` held and plus what ``added`` holds (bound allocations; whole CPUs
-        never overlap), instead of being derived again from every allocation."""
+        never overlap), instead of being derived again from every allocation; ``borrowers``:
+        how many more borrow."""
         new = Ledger.__new__(Ledger)
         for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
             object.__setattr__(new, f, getattr(self, f))
         object.__setattr__(new, "allocations", MappingProxyType(allocations))
         object.__setattr__(new, "bound", MappingProxyType(bound))
         known = self.__dict__
+        if "borrowers" in known:
+            new.__dict__["borrowers"] = known["borrowers"] + borrowers
         if "exclusive" in known:
             exclusive = known["exclusive"]
             if gone is not None and gone.whole:
@@ -180,6 +191,10 @@ class Ledger:
         if isolated is None:
             isolated = self.isolated
         return replace(self, online=online, isolated=isolated)
+
+
+def _borrows(a: Allocation | None) -> int:
+    return int(a is not None and a.request.options.borrow)
 
 
 def _copy(mapping: Mapping[str, Allocation]) -> dict[str, Allocation]:

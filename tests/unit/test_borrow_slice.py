@@ -8,9 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cpuservice.apply import units
+from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import SystemdFailure
+from cpuservice.model.pools import Allocation, Ledger
+from cpuservice.model.request import Request
+from tests.props import examples
 from tests.unit.fake_systemd import BORROW, Crash, Unit
 from tests.unit.test_service_fake import Host, agree, run
 
@@ -110,3 +116,27 @@ def test_a_crash_between_the_starts_recovers(tmp_path: Path) -> None:
         assert (BORROW in host.fake.units) == borrows
         agree(svc, host.fake)
     run(body)
+
+
+@settings(max_examples=examples(200))
+@given(st.lists(st.tuples(st.integers(0, 5), st.sampled_from(["borrow", "unbound", "bound", "-"])),
+                max_size=40))
+def test_the_carried_borrower_count_is_a_recount(steps: list[tuple[int, str]]) -> None:
+    """Ledger.borrowers, carried from ledger to ledger, equals a count over a fresh ledger."""
+    ledger = Ledger(CPUSet.parse("0-7"))
+    _ = ledger.borrowers  # computed once, then carried
+    for n, kind in steps:
+        name = f"a{n}"
+        if kind == "-":
+            if name in ledger.allocations:
+                ledger = ledger.without(name)
+            continue
+        options = {"borrow": True} if kind == "borrow" else {"bind": kind == "bound"}
+        held = CPUSet([n]) if kind == "bound" else CPUSet()
+        if kind == "bound" and any(n in a.whole for a in ledger.bound.values()
+                                   if a.name != name):
+            continue
+        ledger = ledger.with_allocation(Allocation(name, Request.parse("1", options), held))
+        assert "borrowers" in ledger.__dict__
+        fresh = Ledger(ledger.online, allocations=ledger.allocations)
+        assert ledger.borrowers == fresh.borrowers
