@@ -399,7 +399,7 @@ def test_the_borrow_slice_exists_only_while_somebody_borrows(daemon: ServiceHost
 
     daemon.configure("b")
     borrow = "cpuservice-borrow.slice"
-    daemon.allocate("o", "2", bind=True, lend=True)
+    daemon.allocate("o", "2", bind=True)
     assert state(borrow)["ActiveState"] == "inactive"
     daemon.allocate("b", "1", borrow=True)
     parent, child = state(borrow), state("cpuservice-borrow-b.slice")
