@@ -6,8 +6,8 @@ no timer, no reading.
 
 The file is always readable (POLLIN): asyncio's selector, which waits for POLLIN, would run
 its callback without end. So each trigger has an epoll instance of its own that waits for
-POLLPRI only, and the event loop waits on that instance, which is readable exactly when the
-kernel signalled (nested epoll). The callback is told "event" (the kernel signalled; it may
+POLLPRI only, edge-triggered, and the event loop waits on that instance, which is readable
+exactly when the kernel signalled since it was last asked (nested epoll). The callback is told "event" (the kernel signalled; it may
 already have consumed the flag while polling the nested instance, so any wake-up counts) or
 "gone" (POLLERR: the cgroup was removed, the trigger is dead; it is closed, and can be armed
 again).
@@ -50,7 +50,7 @@ class Trigger:
             os.close(fd)
             raise
         try:
-            poller.register(fd, select.EPOLLPRI)
+            poller.register(fd, select.EPOLLPRI | select.EPOLLET)
         except BaseException:
             poller.close()
             os.close(fd)
