@@ -298,3 +298,17 @@ def test_a_real_kernel_takes_the_trigger(tmp_path: Path) -> None:
     trigger.close()
     with pytest.raises(OSError):
         psi.Trigger(path, "some 0 2000000 junk", lambda kind: None)
+
+
+def test_the_metrics_show_the_holders_and_the_guard(tmp_path: Path) -> None:
+    from cpuservice.host import figure_metrics
+    Kernel(tmp_path)
+    figures = HostPressure(Guard(), tmp_path).read()
+    text = figure_metrics.render_host(figures)
+    assert ('cpuservice_host_cpu_pressure_seconds_total{cgroup="system.slice",kind="some"} '
+            '0.123456') in text
+    assert "cpuservice_admission_guard" not in text.replace("# ", "")  # off: no such series
+    text = figure_metrics.render_host(figures, True, True, 3)
+    assert "cpuservice_admission_guard_starving 1" in text
+    assert "cpuservice_admission_guard_refused_total 3" in text
+    assert "cpuservice_admission_guard_available 1" in text
