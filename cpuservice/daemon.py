@@ -69,7 +69,7 @@ def metrics_file(cfg: config.Config, service: Service,
         host = service.host
         text += figure_metrics.render_host(
             sampler.host if sampler is not None else {},
-            host.available if host.guard.enabled else None, host.starving(), host.refused)
+            host.available if host.guard.enabled else None, host.starving())
         if sampler is None or not sampler.interval:
             return text
         return text + figure_metrics.render(sampler.latest, service.ledger.allocations,

@@ -50,7 +50,6 @@ def host_reply(host: HostPressure) -> dict[str, Any]:
         "window-usec": Variant("t", guard.window * 1_000_000),
         "hold-usec": Variant("t", int(guard.hold * 1e6)),
         "events": Variant("t", host.events),
-        "refused": Variant("t", host.refused),
     }
     return out
 

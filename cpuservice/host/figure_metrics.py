@@ -68,10 +68,11 @@ def render(figures: Mapping[str, Figures], allocations: Iterable[str],
 
 
 def render_host(figures: Mapping[str, Figures], guard: bool | None = None,
-                starving: bool = False, refused: int = 0) -> str:
+                starving: bool = False) -> str:
     """The shared pool's holders' pressure (cpuservice.model.starvation.HOST_CGROUPS, as the
     sampler last read them) and, with the guard enabled (``guard``: whether it is armed), the
-    admission guard's state and refusals."""
+    admission guard's state (its refusals are cpuservice_requests_total's
+    result="SharedPoolStarving")."""
     out = _Text()
     out.family("cpuservice_host_cpu_pressure_seconds_total", "counter",
                "Time in which some (kind=some) or all (kind=full) runnable tasks of the shared "
@@ -88,7 +89,4 @@ def render_host(figures: Mapping[str, Figures], guard: bool | None = None,
                    "1 while the shared pool is starving: its holders' CPU pressure is above "
                    "admission_guard_percent, and requests that take CPUs from it are refused.",
                    [({}, int(starving))])
-        out.family("cpuservice_admission_guard_refused_total", "counter",
-                   "Requests the admission guard refused (SharedPoolStarving).",
-                   [({}, refused)])
     return "\n".join(out.lines) + "\n"

@@ -24,7 +24,7 @@ from cpuservice.model.errors import InvalidArgument, SharedPoolStarving
 from cpuservice.model.starvation import HOST_CGROUPS, Episode, Guard
 from cpuservice.shell.host_pressure import HostPressure
 from cpuservice.shell.service import Service
-from tests.unit.test_service_fake import Host, run
+from tests.unit.test_service_fake import Host, Recorder, run
 
 PRESSURE = ("some avg10={:.2f} avg60=1.00 avg300=0.50 total=123456\n"
             "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n")
@@ -203,7 +203,6 @@ def test_the_guard_refuses_what_takes_from_a_starving_pool_until_the_pressure_en
         with pytest.raises(SharedPoolStarving):  # an unprivileged Resize that grows
             await svc.resize("before", "2", limited=True)
         await svc.resize("before", "2")  # root's (or manage's: the bus retries unlimited)
-        assert svc.host.refused == 2
         clock.now += 10  # hold seconds after the last event: over
         await svc.allocate("db", "2", {"bind": True}, 0)
         assert svc.ledger.allocations["db"].held
@@ -308,7 +307,92 @@ def test_the_metrics_show_the_holders_and_the_guard(tmp_path: Path) -> None:
     assert ('cpuservice_host_cpu_pressure_seconds_total{cgroup="system.slice",kind="some"} '
             '0.123456') in text
     assert "cpuservice_admission_guard" not in text.replace("# ", "")  # off: no such series
-    text = figure_metrics.render_host(figures, True, True, 3)
+    text = figure_metrics.render_host(figures, True, True)
     assert "cpuservice_admission_guard_starving 1" in text
-    assert "cpuservice_admission_guard_refused_total 3" in text
     assert "cpuservice_admission_guard_available 1" in text
+
+
+class Polkit:
+    """Allows allocate to everyone, manage to uid 0 and ``managers``."""
+
+    def __init__(self, managers: set[int]) -> None:
+        self.managers = managers
+        self.asked: list[tuple[int, str]] = []
+
+    async def check(self, sender: str, uid: int, action: str, interactive: bool) -> None:
+        from cpuservice.host.authz import MANAGE
+        from cpuservice.model.errors import AccessDenied
+        self.asked.append((uid, action))
+        if action == MANAGE and uid != 0 and uid not in self.managers:
+            raise AccessDenied(f"not authorized for {action}")
+
+
+@needs_oob
+def test_force_needs_manage_and_resize_spares_manage(tmp_path: Path) -> None:
+    """Over the Manager's methods: option force is manage's (root's) override of the guard;
+    a Resize that grows is refused to an unprivileged owner and allowed to a holder of
+    manage (the bus retries it unlimited, as with the per-user limits)."""
+    from dbus_fast import DBusError, Variant
+
+    from cpuservice.bus.api import Manager
+    from cpuservice.bus.objects import current_call
+
+    async def body() -> None:
+        svc, kernel, clock = await _service(tmp_path)
+        polkit = Polkit({2000})
+        manager = Manager(svc, None, polkit)  # type: ignore[arg-type]
+        svc.events = Recorder()  # (no bus to export the objects on)
+        uid = {"who": 1000}
+
+        async def uid_of(sender: str) -> int:
+            return uid["who"]
+
+        manager.uid_of = uid_of  # type: ignore[method-assign]
+        current_call.set((":1.5", False))
+        allocate = Manager.Allocate.__wrapped__
+        resize = Manager.Resize.__wrapped__
+        await allocate(manager, "mine", "1", {"bind": Variant("b", True)})
+        kernel.signal("/system.slice")
+        await _settle()
+        bind = {"bind": Variant("b", True)}
+        with pytest.raises(DBusError) as caught:
+            await allocate(manager, "db", "1", dict(bind))
+        assert caught.value.type == SharedPoolStarving.dbus_name
+        assert "option 'force'" in caught.value.text
+        with pytest.raises(DBusError) as denied:  # force is not an unprivileged user's
+            await allocate(manager, "db", "1", {**bind, "force": Variant("b", True)})
+        assert denied.value.type == "org.freedesktop.DBus.Error.AccessDenied"
+        with pytest.raises(DBusError) as grow:
+            await resize(manager, "mine", "2")
+        assert grow.value.type == SharedPoolStarving.dbus_name
+        uid["who"] = 2000  # a holder of manage
+        await allocate(manager, "db", "1", {**bind, "force": Variant("b", True)})
+        await resize(manager, "db", "2")
+        assert svc.ledger.allocations["db"].request.cpus == 2
+        assert "force" not in str(svc.ledger.allocations["db"].request)  # never recorded
+        reply = await Manager.GetHostPressure.__wrapped__(manager)
+        assert reply["admission-guard"]["starving"].value is True
+        assert reply["admission-guard"]["events"].value == 1
+        svc.host.stop()
+    run(body)
+
+
+def test_status_prints_the_host_and_the_guard() -> None:
+    from cpuservice.cli import ctl_figures
+    reply = {"cpuservice-shared.slice": {"cpu-pressure-some-avg10": 1.5,
+                                         "cpu-pressure-some-avg60": 0.25},
+             "system.slice": {"unreadable": ["cpu.pressure"]},
+             "admission-guard": {"enabled": True, "available": True, "starving": True,
+                                 "starving-usec": 12_400_000, "cgroups": ["system.slice"],
+                                 "limit-percent": 50.0, "window-usec": 2_000_000}}
+    lines = dict(ctl_figures.host_lines(reply))
+    assert lines["Pressure"] == ("cpuservice-shared.slice some 1.50% 0.25%; system.slice "
+                                 "unknown (avg10 avg60)")
+    assert lines["Guard"].startswith("STARVING for 12 s (system.slice above 50% per 2 s)")
+    reply["admission-guard"] |= {"starving": False}
+    assert dict(ctl_figures.host_lines(reply))["Guard"].startswith("admitting")
+    reply["admission-guard"] |= {"available": False, "unavailable": "no PSI"}
+    assert "unavailable, admits everything: no PSI" in dict(ctl_figures.host_lines(reply))[
+        "Guard"]
+    reply["admission-guard"] |= {"enabled": False}
+    assert dict(ctl_figures.host_lines(reply))["Guard"].startswith("off")
