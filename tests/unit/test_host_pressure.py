@@ -396,3 +396,13 @@ def test_status_prints_the_host_and_the_guard() -> None:
         "Guard"]
     reply["admission-guard"] |= {"enabled": False}
     assert dict(ctl_figures.host_lines(reply))["Guard"].startswith("off")
+
+
+def test_the_unit_lets_the_daemon_write_just_the_triggers() -> None:
+    """ProtectControlGroups= keeps the hierarchy read-only but for the watched cpu.pressure
+    files (starvation.HOST_CGROUPS, their one home)."""
+    unit = (Path(__file__).parents[2] / "systemd/cpuservice.service").read_text()
+    assert "ProtectControlGroups=yes" in unit
+    writable = [line.split("=", 1)[1] for line in unit.splitlines()
+                if line.startswith("ReadWritePaths=-/sys/fs/cgroup")]
+    assert writable == [f"-/sys/fs/cgroup{group}/cpu.pressure" for _, group in HOST_CGROUPS]
