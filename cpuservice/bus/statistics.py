@@ -1,8 +1,9 @@
 """GetStatistics: how each named allocation fares, read from the kernel for this call (issue
 39; cpuservice.shell.statistics); GetHostPressure: the same of the shared pool's holders, and
-the admission guard (cpuservice.shell.host_pressure). Kept off the properties on purpose: GetManagedObjects and
-GetAll answer from prepared replies and never read the kernel, so that anyone's bulk reads stay
-cheap; this method reads at most MAX_NAMES cgroups per call, in its caller's fair turn.
+the admission guard (cpuservice.shell.host_pressure). Kept off the properties on purpose:
+GetManagedObjects and GetAll answer from prepared replies and never read the kernel, so that
+anyone's bulk reads stay cheap; this method reads at most MAX_NAMES cgroups per call, in its
+caller's fair turn.
 (No ``from __future__ import annotations`` here, as in the other modules of the bus.)
 """
 

@@ -4,13 +4,13 @@ kernel signal POLLPRI on that open file when the cgroup's tasks waited more than
 microseconds within a WINDOW, at most once per window. Nothing runs in the daemon in between:
 no timer, no reading.
 
-The file is always readable (POLLIN): asyncio's selector, which waits for POLLIN, would run
-its callback without end. So each trigger has an epoll instance of its own that waits for
-POLLPRI only, edge-triggered, and the event loop waits on that instance, which is readable
-exactly when the kernel signalled since it was last asked (nested epoll). The callback is told "event" (the kernel signalled; it may
-already have consumed the flag while polling the nested instance, so any wake-up counts) or
-"gone" (POLLERR: the cgroup was removed, the trigger is dead; it is closed, and can be armed
-again).
+The file is always readable (POLLIN): asyncio's selector, which waits for POLLIN, would run its
+callback without end. So each trigger has an epoll instance of its own that waits for POLLPRI
+only, edge-triggered, and the event loop waits on that instance, which is readable exactly when
+the kernel signalled since it was last asked (nested epoll). The callback is told "event" (the
+kernel signalled; it may already have consumed the flag while polling the nested instance, so
+any wake-up counts) or "gone" (POLLERR: the cgroup was removed, the trigger is dead; it is
+closed, and can be armed again).
 
 Writing needs the file open for writing: the unit's ProtectControlGroups= leaves the hierarchy
 read-only, so cpuservice.service makes the watched files writable (ReadWritePaths=). Where a

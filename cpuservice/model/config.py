@@ -221,10 +221,11 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
                           "lent cores stay lent and withdrawn ones stay withdrawn")
     if config.admission_guard_percent and \
             config.admission_guard_hold_seconds < config.admission_guard_window_seconds:
+        window = config.admission_guard_window_seconds
         raise ConfigError(f"{source}: admission_guard_hold_seconds: "
                           f"{config.admission_guard_hold_seconds:g} is shorter than "
-                          f"admission_guard_window_seconds ({config.admission_guard_window_seconds}):"
-                          " the kernel reports a lasting pressure once per window")
+                          f"admission_guard_window_seconds ({window}): the kernel reports a "
+                          "lasting pressure once per window")
     for key in config.defaults:
         if key in PER_REQUEST_ONLY or key not in OPTION_KEYS:
             raise ConfigError(f"{source}: defaults.{key}: not an option that can have a default")

@@ -12,6 +12,7 @@ away (its slice stopped) is armed again at the next request that asks the guard.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -63,7 +64,7 @@ class HostPressure:
                 continue
             path = psi.pressure_path(self.root, group)
             try:
-                trigger = psi.Trigger(path, spec, lambda kind, n=name: self._fired(n, kind),
+                trigger = psi.Trigger(path, spec, functools.partial(self._fired, name),
                                       self.opener)
             except OSError as exc:
                 why = f"no PSI trigger on {path}: {exc.strerror or exc} (cgroup v2 with PSI " \

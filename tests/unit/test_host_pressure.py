@@ -338,7 +338,7 @@ def test_force_needs_manage_and_resize_spares_manage(tmp_path: Path) -> None:
     from cpuservice.bus.objects import current_call
 
     async def body() -> None:
-        svc, kernel, clock = await _service(tmp_path)
+        svc, kernel, _ = await _service(tmp_path)
         polkit = Polkit({2000})
         manager = Manager(svc, None, polkit)  # type: ignore[arg-type]
         svc.events = Recorder()  # (no bus to export the objects on)
