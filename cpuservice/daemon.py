@@ -158,7 +158,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
         return await until_stopped(bus, loop, notifier, drain)
     finally:
         await sampler.shutdown()
-        service.host.stop()
+        service.host.disarm()
         notifier.stop_watchdog()
         if textfile is not None:
             textfile.remove()

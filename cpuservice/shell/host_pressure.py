@@ -134,7 +134,7 @@ class HostPressure:
         avg10 = {n: f.some.avg10 for n, f in self.read().items() if f.some is not None}
         starvation.check(self.episode, self.guard, self.clock(), taken, what, avg10, override)
 
-    def stop(self) -> None:
+    def disarm(self) -> None:
         if self._end is not None:
             self._end.cancel()
             self._end = None

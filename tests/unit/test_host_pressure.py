@@ -206,7 +206,7 @@ def test_the_guard_refuses_what_takes_from_a_starving_pool_until_the_pressure_en
         clock.now += 10  # hold seconds after the last event: over
         await svc.allocate("db", "2", {"bind": True}, 0)
         assert svc.ledger.allocations["db"].held
-        svc.host.stop()
+        svc.host.disarm()
     run(body)
 
 
@@ -230,7 +230,7 @@ def test_no_timer_runs_while_the_pool_is_not_starving(tmp_path: Path) -> None:
         assert "system.slice" not in host.triggers
         host.check(1, "Allocate 'x'")
         assert "system.slice" in host.triggers
-        host.stop()
+        host.disarm()
     run(body)
 
 
@@ -373,7 +373,7 @@ def test_force_needs_manage_and_resize_spares_manage(tmp_path: Path) -> None:
         reply = await Manager.GetHostPressure.__wrapped__(manager)
         assert reply["admission-guard"]["starving"].value is True
         assert reply["admission-guard"]["events"].value == 1
-        svc.host.stop()
+        svc.host.disarm()
     run(body)
 
 
