@@ -6,9 +6,10 @@ prints ``FAILED STEP: ...`` and exits 1.
 
 With admission_guard_percent = 50 (a drop-in, removed at the end), under the unit's sandbox:
 - the guard is armed (Capabilities: PressureGuard, the kernel took the PSI triggers);
-- busy loops in system.slice, two per CPU (nice 19, CPUWeight=1), saturate the shared pool: the kernel reports the
-  pressure, a bound Allocate is refused with SharedPoolStarving (status says STARVING), an
-  unbound one (it takes no CPU from the pool) and root's --force are admitted;
+- busy loops in system.slice, two per CPU (nice 19, CPUWeight=1), saturate the shared pool:
+  the kernel reports the pressure, a bound Allocate is refused with SharedPoolStarving
+  (status says STARVING), an unbound one (it takes no CPU from the pool) and root's force
+  are admitted;
 - the load stops: the same Allocate is admitted again once the pressure is gone;
 - the daemon, idle with the guard armed (and statistics_seconds = 0, so that nothing else
   wakes it but the watchdog's ping every 30 s), is measured for a minute: its threads' CPU
