@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
              "import runpy,sys; sys.argv=['d','--out','/dev/stdout','--ops',"
              f"'{args.ops}','--seeds','{args.seeds}']; "
              f"runpy.run_path({str(Path(__file__).resolve())!r}, run_name='__main__')"],
-            env=env, cwd=str(Path(args.against).resolve()), capture_output=True, text=True, check=True).stdout.splitlines()
+            env=env, cwd=str(Path(args.against).resolve()), capture_output=True, text=True,
+            check=True).stdout.splitlines()
         mine = list(outcomes(args.ops, args.seeds))
         differences = [(a, b) for a, b in zip(mine, other, strict=False) if a != b]
         differences += [("<missing>", "<extra>")] * abs(len(mine) - len(other))

@@ -54,11 +54,14 @@ class Free:
         _, self.node_of, self.l3_of, self.core_of = topology.levels
         self.hide = hide.ids
         self.isolated = ledger.isolated.ids
-        self.shared = len(ledger.shared)
+        # the free CPUs per node, carried with the ledger (Ledger.free_view)
+        self.carried = ledger.free_view(topology)
+        self.shared = self.carried.shared
         self.min_shared = ledger.min_shared_cpus
-        # the allocatable shared CPUs and the free isolated ones (take replaces them)
-        self.free: frozenset[int] = (ledger.shared - ledger.reserved).ids
-        self.free_isolated: frozenset[int] = ledger.free_isolated.ids
+        # the allocatable shared CPUs and the free isolated ones (take replaces them), derived
+        # from the ledger when first asked for
+        self._free: frozenset[int] | None = None
+        self._free_isolated: frozenset[int] | None = None if self.carried.isolated else frozenset()
         # the cells views are kept in: a single choice needs only nodes
         self.groups = self.cells.cpus if steps else self.cells.nodes
         self.in_node = self.cells.in_node if steps else self.cells.node_in
@@ -80,13 +83,35 @@ class Free:
         self.near_required = opts.near_policy == NearPolicy.REQUIRED
         self.numa_failed_near = False  # as numa_failed, among the CPUs next to the devices
         self._shy: set[int] | None = None
-        self._takeable: frozenset[int] | None = ledger.takeable.ids
+        self._takeable: frozenset[int] | None = None
         # per key (see candidates): the candidates of every cell and their count per node (nodes
         # with any), brought up to date from the cells steps touched (_stale) when next looked at
         self._views: dict[str, View] = {}
         self._everything: dict[str, AbstractSet[int]] = {}  # of fresh views: all their candidates
         self._stale: dict[str, set[Cell]] = {}
         self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
+
+    @property
+    def free(self) -> frozenset[int]:
+        """The allocatable shared CPUs (free, not reserved)."""
+        if self._free is None:
+            self._free = (self.ledger.shared - self.ledger.reserved).ids
+        return self._free
+
+    @free.setter
+    def free(self, cpus: frozenset[int]) -> None:
+        self._free = cpus
+
+    @property
+    def free_isolated(self) -> frozenset[int]:
+        """The free isolated CPUs."""
+        if self._free_isolated is None:
+            self._free_isolated = self.ledger.free_isolated.ids
+        return self._free_isolated
+
+    @free_isolated.setter
+    def free_isolated(self, cpus: frozenset[int]) -> None:
+        self._free_isolated = cpus
 
     def budget(self) -> int:
         """How many CPUs may still leave the shared pool (Ledger.shared_budget)."""
@@ -103,7 +128,11 @@ class Free:
         """Ledger.takeable: the allocatable CPUs, only the free isolated ones when the shared
         pool is at its minimum."""
         if self._takeable is None:
-            self._takeable = self.free | self.free_isolated if self.budget() else self.free_isolated
+            if self._free is None:  # nothing taken yet: as the ledger has it
+                self._takeable = self.ledger.takeable.ids
+            else:
+                self._takeable = (self.free | self.free_isolated if self.budget()
+                                  else self.free_isolated)
         return self._takeable
 
     def candidates(self, key: str, within: frozenset[int] | None = None) -> AbstractSet[int]:
@@ -137,6 +166,11 @@ class Free:
 
     def view(self, key: str) -> View:
         """The candidates for ``key`` per cell, and their count per node."""
+        if key not in self._views and self._carries(key):
+            cells_, counts_ = (self.carried.whole_view() if self.opts.policy == Policy.FULL_PCPUS
+                               else (self.carried.cells, self.carried.counts))
+            self._views[key] = dict(cells_), dict(counts_)
+            self._stale[key] = set()
         if key not in self._views:
             cands = self.candidates(key)
             if not self.steps:
@@ -160,6 +194,13 @@ class Free:
                 counts.pop(x, None)
         self._stale[key].clear()
         return cells, counts
+
+    def _carries(self, key: str) -> bool:
+        """The carried view (Ledger.free_view) is this key's view: one choice, no exclusivity,
+        no mark or subset, nothing hidden, the takeable CPUs the allocatable ones, cores in one
+        node each (full-pcpus filters by core per cell)."""
+        return (key == Exclusive.NONE and not self.steps and not self.hide
+                and self.budget() > 0 and self.cells.nested)
 
     def everything(self, key: str, nodes: Collection[int]) -> Collection[int]:
         """The candidates for ``key`` in ``nodes`` (nodes with candidates)."""
