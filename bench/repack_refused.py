@@ -4,8 +4,8 @@ requests there are too few free CPUs for as well as fragmented ones.
 
 - 128 CPUs: the churn of bench/placement.py (fixture c, core 0 reserved) with a share (0.3,
   as its re-packing lines) of the requests movable and the requested occupancy kept between
-  80 % and 99 %, so that allocate refuses often; every refusal goes to ``repack`` (which first checks ``fragmented`` itself, as the
-  daemon calls it);
+  80 % and 99 %, so that allocate refuses often; every refusal goes to ``repack`` (which
+  first checks ``fragmented`` itself, as the daemon calls it);
 - 1,024 CPUs: the fragmented ledger of bench/repack.py, probed with full-pcpus and packed
   requests of 2 to 512 CPUs (with and without single-numa-node), the larger ones more than the
   free CPUs.
