@@ -17,6 +17,18 @@ from typing import Protocol
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.topology import Cell, Topology
 
+SPREAD_PCPUS = "spread-pcpus"  # request.Policy.SPREAD_PCPUS (a StrEnum: equal to its value)
+
+
+class _Options(Protocol):
+    @property
+    def policy(self) -> str: ...
+
+
+class _Request(Protocol):
+    @property
+    def options(self) -> _Options: ...
+
 
 class _Fragment(Protocol):
     @property
@@ -32,6 +44,8 @@ class Allocation(Protocol):
     def fragment(self) -> _Fragment | None: ...
     @property
     def held(self) -> CPUSet: ...
+    @property
+    def request(self) -> _Request: ...
 
 
 class Ledger(Protocol):
@@ -62,7 +76,8 @@ class FreeView:
     number of free isolated CPUs. ``whole(cell)``: the CPUs of a cell on cores all of whose
     threads (online or not) are allocatable, computed when first asked for."""
 
-    __slots__ = ("_whole", "_whole_counts", "cells", "counts", "isolated", "shared", "topology")
+    __slots__ = ("_whole", "_whole_counts", "cells", "counts", "isolated", "shared", "spread",
+                 "topology")
 
     def __init__(self, topology: Topology, cells: dict[Cell, frozenset[int]],
                  counts: dict[int, int], shared: int, isolated: int) -> None:
@@ -73,6 +88,9 @@ class FreeView:
         self.isolated = isolated
         self._whole: dict[Cell, frozenset[int]] = {}
         self._whole_counts: dict[int, int] | None = None
+        # core -> how many of its threads spread-pcpus allocations hold (placement/free.py
+        # spread_cores), filled in by the first choice that asks
+        self.spread: dict[int, int] | None = None
 
     @classmethod
     def build(cls, topology: Topology, ledger: Ledger) -> FreeView:
@@ -146,9 +164,10 @@ class FreeView:
                     shared += sign
                 if c in isolated or c not in reserved:  # Ledger.allocatable
                     moved.setdefault(node_of[c], ([], []))[i].append(c)
+        spread = self._spread_after(gone, added)
         if not moved:
             view = FreeView(self.topology, self.cells, self.counts, shared, free_isolated)
-            view._whole, view._whole_counts = self._whole, self._whole_counts
+            view._whole, view._whole_counts, view.spread = self._whole, self._whole_counts, spread
             return view
         cells = dict(self.cells)
         counts = dict(self.counts)
@@ -169,5 +188,26 @@ class FreeView:
         if reorder:  # nodes in the order a fresh view lists them
             counts = {x: counts[x] for x in sorted(counts)}
         view = FreeView(self.topology, cells, counts, shared, free_isolated)
-        view._whole = whole
+        view._whole, view.spread = whole, spread
         return view
+
+    def _spread_after(self, gone: Allocation | None, added: Allocation | None
+                      ) -> dict[int, int] | None:
+        """``spread`` less ``gone``'s and plus ``added``'s threads, where they are
+        spread-pcpus allocations."""
+        if self.spread is None:
+            return None
+        changed = [(a, sign) for a, sign in ((gone, -1), (added, 1))
+                   if a is not None and a.request.options.policy == SPREAD_PCPUS]
+        if not changed:
+            return self.spread
+        spread = dict(self.spread)
+        core_of = self.topology.levels[3]
+        for a, sign in changed:
+            for c in a.whole.ids:
+                left = spread.get(core_of[c], 0) + sign
+                if left:
+                    spread[core_of[c]] = left
+                else:
+                    del spread[core_of[c]]
+        return spread

@@ -157,11 +157,11 @@ class Ledger:
         less what ``gone`` held and plus what ``added`` holds (bound allocations; whole CPUs
         never overlap), instead of being derived again from every allocation."""
         new = Ledger.__new__(Ledger)
-        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
-            object.__setattr__(new, f, getattr(self, f))
-        object.__setattr__(new, "allocations", MappingProxyType(allocations))
-        object.__setattr__(new, "bound", MappingProxyType(bound))
         known = self.__dict__
+        new.__dict__.update(  # the fields, as a frozen dataclass keeps them
+            online=known["online"], reserved=known["reserved"], isolated=known["isolated"],
+            granularity=known["granularity"], min_shared_cpus=known["min_shared_cpus"],
+            allocations=MappingProxyType(allocations), bound=MappingProxyType(bound))
         if "exclusive" in known:
             exclusive = known["exclusive"]
             if gone is not None and gone.whole:

@@ -121,7 +121,17 @@ class Free:
         """The cores spread-pcpus allocations use (spread_cores), asked for only when they
         matter."""
         if self._shy is None:
-            self._shy = set(spread_cores(self.topology, self.ledger))
+            view = self.carried
+            if view.spread is None:  # carried on to the next ledgers from here
+                core_of, counts = self.core_of, dict[int, int]()
+                for a in self.ledger.bound.values():
+                    if a.request.options.policy == Policy.SPREAD_PCPUS:
+                        for c in a.whole:
+                            counts[core_of[c]] = counts.get(core_of[c], 0) + 1
+                view.spread = counts
+            if not self.steps:  # nothing changes it
+                return view.spread.keys()
+            self._shy = set(view.spread)
         return self._shy
 
     def takeable(self) -> frozenset[int]:

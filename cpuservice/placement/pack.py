@@ -193,10 +193,19 @@ def _take(
     def fit(g: int) -> tuple[bool, int, int]:
         return (g not in near_groups, len(parts[g]), g)
 
+    whole_groups = topology.sizes[level]
+    if n >= 2 and len(parts) == len(cands):  # one candidate per group: none holds n
+        # what the loop below does then: whole groups (of one CPU) first, then the rest, each
+        # in order of fit
+        ranked = sorted(parts, key=fit)
+        firsts = [g for g in ranked if whole_groups[g] == 1][:n]
+        if len(firsts) < n:
+            chosen = set(firsts)
+            firsts += [g for g in ranked if g not in chosen][:n - len(firsts)]
+        return [parts[g][0] for g in firsts]
     fitting = [g for g in parts if len(parts[g]) >= n]
     if fitting:
         return _take(topology, parts[min(fitting, key=fit)], n, near, level + 1)
-    whole_groups = topology.sizes[level]
     out: list[int] = []
     rest = []
     for g in sorted(parts, key=fit):

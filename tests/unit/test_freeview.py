@@ -4,7 +4,9 @@ one derived afresh from its pools, cell by cell, with the same counts and whole 
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections import Counter
 from decimal import Decimal
 
 import pytest
@@ -19,6 +21,7 @@ from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
 from cpuservice.placement.repack import repack
+from cpuservice.placement.free import spread_cores
 from cpuservice.placement.repair import repair
 from tests.props import examples
 
@@ -37,6 +40,13 @@ def assert_fresh(topology: Topology, ledger: Ledger) -> None:
     assert (carried.shared, carried.isolated) == (fresh.shared, fresh.isolated)
     if topology.cells.nested:
         assert carried.whole_view() == fresh.whole_view()
+    if carried.spread is not None:  # the threads spread-pcpus allocations hold, per core
+        core_of, spread = topology.levels[3], Counter[int]()
+        for a in ledger.bound.values():
+            if a.request.options.policy == "spread-pcpus":
+                spread.update(core_of[c] for c in a.whole)
+        assert carried.spread == dict(spread)
+        assert set(carried.spread) == spread_cores(topology, ledger)
 
 
 def walk(topology: Topology, ledger: Ledger, rng: random.Random, steps: int) -> None:
@@ -74,6 +84,9 @@ def walk(topology: Topology, ledger: Ledger, rng: random.Random, steps: int) -> 
                     ledger.free_view(topology)
         except (InsufficientCPUs, InvalidArgument):
             pass
+        if serial % 7 == 3:  # a choice that asks for the spread cores (then carried on)
+            with contextlib.suppress(InsufficientCPUs, InvalidArgument):
+                placement.place(topology, ledger, Request.parse("1", {"bind": True}))
         assert_fresh(topology, ledger)
 
 
