@@ -20,8 +20,8 @@ from cpuservice.model.freeview import FreeView
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
-from cpuservice.placement.repack import repack
 from cpuservice.placement.free import spread_cores
+from cpuservice.placement.repack import repack
 from cpuservice.placement.repair import repair
 from tests.props import examples
 
