@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
+from typing import cast
 
 from cpuservice.model import near
 from cpuservice.model.cpuset import EMPTY, CPUSet
@@ -65,7 +66,7 @@ class Free:
         # the cells views are kept in: a single choice needs only nodes
         self.groups = self.cells.cpus if steps else self.cells.nodes
         self.in_node = self.cells.in_node if steps else self.cells.node_in
-        self.rooms = {c: self.g - used for c, used in ledger.fragment_pieces.items()}
+        self._rooms: dict[int, int] | None = None
         self._fragments_in: dict[tuple[int, int], set[int]] | None = None
         self.used_cores: set[int] = set()
         self.used_nodes: set[int] = set()
@@ -90,6 +91,13 @@ class Free:
         self._everything: dict[str, AbstractSet[int]] = {}  # of fresh views: all their candidates
         self._stale: dict[str, set[Cell]] = {}
         self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
+
+    @property
+    def rooms(self) -> dict[int, int]:
+        """Fragment CPU -> its free pieces (take updates them)."""
+        if self._rooms is None:
+            self._rooms = {c: self.g - used for c, used in self.ledger.fragment_pieces.items()}
+        return self._rooms
 
     @property
     def free(self) -> frozenset[int]:
@@ -179,7 +187,8 @@ class Free:
         if key not in self._views and self._carries(key):
             cells_, counts_ = (self.carried.whole_view() if self.opts.policy == Policy.FULL_PCPUS
                                else (self.carried.cells, self.carried.counts))
-            self._views[key] = dict(cells_), dict(counts_)
+            # not copied: only steps (capacity) change a view
+            self._views[key] = cast(View, (cells_, counts_))
             self._stale[key] = set()
         if key not in self._views:
             cands = self.candidates(key)
@@ -268,6 +277,7 @@ class Free:
         """Hold ``whole`` and ``pieces`` of ``fragment`` (``fresh``: a CPU no fragment used) as
         one more allocation of these options would; only the cells touched are looked at
         again (needs Topology.cells.nested: a core in two cells would change both)."""
+        assert self.steps, "Free.take needs steps=True (views of one choice are shared)"
         taken = [*whole, fragment] if fresh and fragment is not None else whole
         had_budget = self.budget() > 0
         self.free = self.free.difference(taken)

@@ -59,7 +59,8 @@ def bound_cpus(
     if n <= len(keep):
         whole = CPUSet(_pick(topology, keep.ids, n, frozenset(), opts.policy))
     else:
-        whole = keep | CPUSet(choose.take_whole(free, n - len(keep), keep))
+        chosen = CPUSet._trusted(frozenset(choose.take_whole(free, n - len(keep), keep)))
+        whole = keep | chosen if keep else chosen  # CPUs of the topology: no check needed
     fragment = None
     pieces = int(request.fraction * ledger.granularity)
     if pieces:
