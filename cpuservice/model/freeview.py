@@ -11,12 +11,14 @@ checks that a carried view always equals one built from the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Protocol
 
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.topology import Cell, Topology
 
+# placement/pack.py's view of its candidates: by core, then wide, single and loose (classify)
+Classes = tuple[dict[int, list[int]], list[int], list[int], list[int]]
 SPREAD_PCPUS = "spread-pcpus"  # request.Policy.SPREAD_PCPUS (a StrEnum: equal to its value)
 
 
@@ -76,8 +78,8 @@ class FreeView:
     number of free isolated CPUs. ``whole(cell)``: the CPUs of a cell on cores all of whose
     threads (online or not) are allocatable, computed when first asked for."""
 
-    __slots__ = ("_whole", "_whole_counts", "cells", "counts", "isolated", "shared", "spread",
-                 "topology")
+    __slots__ = ("_classes", "_whole", "_whole_counts", "cells", "counts", "isolated", "shared",
+                 "spread", "topology")
 
     def __init__(self, topology: Topology, cells: dict[Cell, frozenset[int]],
                  counts: dict[int, int], shared: int, isolated: int) -> None:
@@ -88,6 +90,7 @@ class FreeView:
         self.isolated = isolated
         self._whole: dict[Cell, frozenset[int]] = {}
         self._whole_counts: dict[int, int] | None = None
+        self._classes: dict[Cell, Classes] = {}  # classify of a cell, when asked
         # core -> how many of its threads spread-pcpus allocations hold (placement/free.py
         # spread_cores), filled in by the first choice that asks
         self.spread: dict[int, int] | None = None
@@ -115,6 +118,14 @@ class FreeView:
                 counts[core_of[c]] = counts.get(core_of[c], 0) + 1
             out = self._whole[cell] = frozenset(
                 c for c in cpus if counts[core_of[c]] == size[core_of[c]])
+        return out
+
+    def classes(self, cell: Cell) -> Classes:
+        """classify of the cell's CPUs, computed when first asked for (kept with the view:
+        pack does not change them)."""
+        out = self._classes.get(cell)
+        if out is None:
+            out = self._classes[cell] = classify(self.topology, self.cells[cell])
         return out
 
     def whole_view(self) -> tuple[dict[Cell, frozenset[int]], dict[int, int]]:
@@ -168,10 +179,12 @@ class FreeView:
         if not moved:
             view = FreeView(self.topology, self.cells, self.counts, shared, free_isolated)
             view._whole, view._whole_counts, view.spread = self._whole, self._whole_counts, spread
+            view._classes = self._classes
             return view
         cells = dict(self.cells)
         counts = dict(self.counts)
         whole = dict(self._whole)
+        classes = dict(self._classes)
         reorder = False
         for x, (out, into) in moved.items():
             cell = (x, -1)
@@ -185,10 +198,11 @@ class FreeView:
             else:
                 counts.pop(x, None)
             whole.pop(cell, None)
+            classes.pop(cell, None)
         if reorder:  # nodes in the order a fresh view lists them
             counts = {x: counts[x] for x in sorted(counts)}
         view = FreeView(self.topology, cells, counts, shared, free_isolated)
-        view._whole, view.spread = whole, spread
+        view._whole, view.spread, view._classes = whole, spread, classes
         return view
 
     def _spread_after(self, gone: Allocation | None, added: Allocation | None
@@ -211,3 +225,24 @@ class FreeView:
                 else:
                     del spread[core_of[c]]
         return spread
+
+
+def classify(topology: Topology, cands: Collection[int]) -> Classes:
+    """The candidates by core; one thread of each wholly free core of threads_per_core
+    threads; the threads of wholly free cores of fewer online threads; the free threads of
+    partly free cores (pack's classes, which the free view carries per node)."""
+    core_of, size, tpc = topology.levels[3], topology.sizes[3], topology.threads_per_core
+    by_core: dict[int, list[int]] = {}
+    for c in cands:
+        by_core.setdefault(core_of[c], []).append(c)
+    wide: list[int] = []
+    single: list[int] = []
+    loose: list[int] = []
+    for k, threads in by_core.items():
+        if len(threads) < size[k]:
+            loose += threads
+        elif len(threads) == tpc:
+            wide.append(min(threads))
+        else:
+            single += threads
+    return by_core, wide, single, loose

@@ -129,7 +129,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)
     return _pick(topology, free.everything(key, counts), n, near, opts.policy, free.shy,
-                 free.level(counts))
+                 free.level(counts), free.classes(key, counts))
 
 
 def _spread(free: Free, key: str, cands: Mapping[Cell, Collection[int]],

@@ -18,6 +18,7 @@ from typing import cast
 
 from cpuservice.model import near
 from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.freeview import Classes
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Exclusive, NearPolicy, Options, Policy
 from cpuservice.model.topology import Topology
@@ -220,6 +221,14 @@ class Free:
         node each (full-pcpus filters by core per cell)."""
         return (key == Exclusive.NONE and not self.steps and not self.hide
                 and self.budget() > 0 and self.cells.nested)
+
+    def classes(self, key: str, nodes: Collection[int]) -> Classes | None:
+        """pack's classes of everything(key, nodes), carried with the free view per node (one
+        node, packed, the carried view's key); None: pack classifies them itself."""
+        if (len(nodes) != 1 or self.opts.policy != Policy.PACKED or key not in self._views
+                or not self._carries(key)):
+            return None
+        return self.carried.classes(self.in_node[next(iter(nodes))][0])
 
     def everything(self, key: str, nodes: Collection[int]) -> Collection[int]:
         """The candidates for ``key`` in ``nodes`` (nodes with candidates)."""

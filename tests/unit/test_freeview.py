@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from cpuservice import placement
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InsufficientCPUs, InvalidArgument
-from cpuservice.model.freeview import FreeView
+from cpuservice.model.freeview import FreeView, classify
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
@@ -40,6 +40,12 @@ def assert_fresh(topology: Topology, ledger: Ledger) -> None:
     assert (carried.shared, carried.isolated) == (fresh.shared, fresh.isolated)
     if topology.cells.nested:
         assert carried.whole_view() == fresh.whole_view()
+    for cell in list(carried.cells):  # pack's classes of each cell, as classify has them
+        by_core, *lists = carried.classes(cell)
+        f_by_core, *f_lists = classify(topology, fresh.cells[cell])
+        assert {k: sorted(v) for k, v in by_core.items()} == \
+            {k: sorted(v) for k, v in f_by_core.items()}
+        assert [sorted(x) for x in lists] == [sorted(x) for x in f_lists]
     if carried.spread is not None:  # the threads spread-pcpus allocations hold, per core
         core_of, spread = topology.levels[3], Counter[int]()
         for a in ledger.bound.values():
