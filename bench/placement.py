@@ -16,6 +16,7 @@ fragmentation_refusals=<n> repack_median_us=<f> repack_worst_us=<f>
     capacity_worst_us cpus=1024 <float>
     capacity_worst_us cpus=1024 isolated=8 <float>
     capacity_worst_us cpus=1024 isolated=64 <float>
+    capacity_worst_us cpus=2048 isolated=64 <float>
 
 The churn line comes per seed for each policy and for all of them (policy=all). The workload:
 fixture c (2 x 32 cores x 2 threads, 4 NUMA nodes, L3 per 8 cores), core 0 reserved, packed,
@@ -456,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{capacity_worst_us(t1024, 1000, isolated=8):.1f}", flush=True)
         print(f"capacity_worst_us cpus=1024 isolated=64 "
               f"{capacity_worst_us(t1024, 1000, isolated=64):.1f}", flush=True)
+        t2048 = _topology(Machine(8, 128, 2, nodes=16, l3_cores=8))
+        print(f"capacity_worst_us cpus=2048 isolated=64 "
+              f"{capacity_worst_us(t2048, 2000, isolated=64):.1f}", flush=True)
     return 0
 
 
