@@ -14,7 +14,9 @@ from functools import cached_property
 from types import MappingProxyType
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.freeview import FreeView
 from cpuservice.model.request import Request
+from cpuservice.model.topology import Topology
 
 GRANULARITIES = (100, 1000)
 
@@ -126,6 +128,15 @@ class Ledger:
     def free_pieces(self, cpu: int) -> int:
         return self.granularity - self.fragment_pieces.get(cpu, 0)
 
+    def free_view(self, topology: Topology) -> FreeView:
+        """The allocatable CPUs per NUMA node of ``topology`` (FreeView): carried over from the
+        ledger this one was made from when that had one, else derived once."""
+        view: FreeView | None = self.__dict__.get("_free_view")
+        if view is None or view.topology is not topology:
+            _ = self.exclusive, self.fragment_pieces  # so that _with carries them, and the view
+            view = self.__dict__["_free_view"] = FreeView.build(topology, self)
+        return view
+
     def owner_of(self, cpu: int) -> list[str]:
         """Names of the allocations holding ``cpu``."""
         return sorted(a.name for a in self.bound.values() if cpu in a.held)
@@ -155,11 +166,11 @@ class Ledger:
         never overlap), instead of being derived again from every allocation; ``borrowers``:
         how many more borrow."""
         new = Ledger.__new__(Ledger)
-        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
-            object.__setattr__(new, f, getattr(self, f))
-        object.__setattr__(new, "allocations", MappingProxyType(allocations))
-        object.__setattr__(new, "bound", MappingProxyType(bound))
         known = self.__dict__
+        new.__dict__.update(  # the fields, as a frozen dataclass keeps them
+            online=known["online"], reserved=known["reserved"], isolated=known["isolated"],
+            granularity=known["granularity"], min_shared_cpus=known["min_shared_cpus"],
+            allocations=MappingProxyType(allocations), bound=MappingProxyType(bound))
         if "borrowers" in known:
             new.__dict__["borrowers"] = known["borrowers"] + borrowers
         if "exclusive" in known:
@@ -184,6 +195,12 @@ class Ledger:
                     else:
                         pieces.pop(a.fragment.cpu, None)
             new.__dict__["fragment_pieces"] = pieces
+        view: FreeView | None = known.get("_free_view")
+        if view is not None and "exclusive" in new.__dict__ and "fragment_pieces" in new.__dict__:
+            gone = gone if gone is not None and gone.bound else None
+            added = added if added is not None and added.bound else None
+            new.__dict__["_free_view"] = (view.after(self, new, gone, added)
+                                          if gone is not None or added is not None else view)
         return new
 
     def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
