@@ -170,10 +170,10 @@ class FreeView:
                 if c not in online:
                     continue
                 if c in isolated:
-                    free_isolated += sign
+                    free_isolated += sign * (c not in reserved)
                 else:
                     shared += sign
-                if c in isolated or c not in reserved:  # Ledger.allocatable
+                if c not in reserved:  # Ledger.allocatable (free_isolated has no reserved CPU)
                     moved.setdefault(node_of[c], ([], []))[i].append(c)
         spread = self._spread_after(gone, added)
         if not moved:

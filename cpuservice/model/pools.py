@@ -107,8 +107,9 @@ class Ledger:
 
     @cached_property
     def free_isolated(self) -> CPUSet:
-        """Isolated CPUs no allocation holds."""
-        return (self.isolated & self.online) - self.held
+        """Isolated CPUs no allocation holds and none reserved (a reserved CPU is never
+        allocated, isolated or not)."""
+        return (self.isolated & self.online) - self.held - self.reserved
 
     @cached_property
     def allocatable(self) -> CPUSet:
@@ -260,12 +261,16 @@ def check_invariants(ledger: Ledger) -> None:
             problems.append(f"fragment CPU {cpu} has {pieces} > {ledger.granularity} pieces")
     if ledger.held & ledger.reserved:
         problems.append(f"reserved CPUs {ledger.held & ledger.reserved} are allocated")
-    if not ledger.shared >= (ledger.reserved & ledger.online):
+    if not ledger.shared >= (ledger.reserved & ledger.online) - ledger.isolated:
         problems.append("the shared pool does not contain every online reserved CPU")
     if len(ledger.shared) < min(ledger.min_shared_cpus, len(ledger.online - ledger.isolated)):
         problems.append(f"shared pool {ledger.shared} is smaller than {ledger.min_shared_cpus}")
-    parts = (ledger.shared, ledger.exclusive, ledger.fragment, ledger.free_isolated)
+    # (an isolated CPU that is reserved is in none of the pools but itself: never shared,
+    # never allocated)
+    kept = (ledger.reserved & ledger.isolated & ledger.online) - ledger.held
+    parts = (ledger.shared, ledger.exclusive, ledger.fragment, ledger.free_isolated, kept)
     if sum(map(len, parts)) != len(ledger.online) or CPUSet.union_all(parts) != ledger.online:
-        problems.append("shared, exclusive, fragment and free isolated do not partition online")
+        problems.append("shared, exclusive, fragment, free isolated and reserved isolated do "
+                        "not partition online")
     if problems:
         raise InvariantError("; ".join(problems))

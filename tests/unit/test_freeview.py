@@ -118,3 +118,26 @@ def test_a_ledger_made_without_its_parent_derives_its_view(machine) -> None:
     other = ledger.with_online(ledger.online)
     assert other.free_view(topology) is not view
     assert_fresh(topology, other)
+
+
+def test_a_reserved_isolated_cpu_is_never_allocated(machine) -> None:
+    """Found while building the carried view: on machine d (CPUs 20-21 isolated) with CPU 20
+    reserved, free_isolated offered 20 to bound allocations and check_invariants then failed
+    ("reserved CPUs 20 are allocated"); the empty ledger already broke "the shared pool holds
+    every reserved CPU". A reserved CPU is never allocated, isolated or not."""
+    topology = machine("d")
+    assert {20, 21} <= set(topology.isolated.ids)
+    ledger = ledger_for(topology, reserved=CPUSet([20]))
+    from cpuservice.model.pools import check_invariants
+    check_invariants(ledger)
+    taken: set[int] = set()
+    for i in range(len(topology.online)):
+        try:
+            ledger, a = placement.allocate(topology, ledger, f"a{i}",
+                                           Request.parse("1", {"bind": True}))
+        except InsufficientCPUs:
+            break
+        check_invariants(ledger)
+        taken |= set(a.whole.ids)
+    assert 21 in taken and 20 not in taken
+    assert_fresh(topology, ledger)
