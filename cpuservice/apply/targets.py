@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from cpuservice import placement
 from cpuservice.apply import partitions, units
 from cpuservice.apply.reconcile import UnitSpec
-from cpuservice.model import lending
+from cpuservice.model import device_irqs, lending
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.request import Request
@@ -49,6 +49,33 @@ def follows_shared(a: Allocation, own: bool) -> bool:
     if a.bound:
         return not a.held  # degraded to nothing: it runs on the shared pool
     return a.request.options.memory_nodes or not own
+
+
+RELEASE_PROPS = {device_irqs.RELEASE: ("b", True)}
+
+
+def device_specs(topology: Topology, state: State) -> dict[str, UnitSpec]:
+    """The interrupts of each device an allocation keeps them off (option near-irqs), as one
+    more holder of the shared pool: its CPUs are the pool's next to the device
+    (cpuservice.model.device_irqs); when no allocation keeps it any more it is "restored" (its
+    interrupts follow the pool again)."""
+    ledger = state.ledger
+    return {unit: UnitSpec(units.shared_props(p.cpus), own=False, restore=RELEASE_PROPS)
+            for unit, p in device_irqs.plan(topology, ledger.bound, ledger.shared).items()
+            if p.cpus}
+
+
+def with_appearing(before: Mapping[str, UnitSpec], after: Mapping[str, UnitSpec],
+                   online: CPUSet) -> dict[str, UnitSpec]:
+    """``before`` with the device holders only ``after`` has: until the change confines them,
+    a device's interrupts may be on any online CPU (they followed the pool, or nobody set
+    them), so the transaction shrinks them to their CPUs in its first step, before any
+    allocation gets CPUs."""
+    out = dict(before)
+    for unit in after.keys() - before.keys():
+        if device_irqs.address_of(unit) is not None:
+            out[unit] = UnitSpec(units.shared_props(online), own=False, restore=RELEASE_PROPS)
+    return out
 
 
 Entry = tuple[Allocation, Record, CPUSet | None, UnitSpec]
@@ -90,6 +117,7 @@ class Targets:
                for u in self.shared_units}
         out[units.BORROW] = UnitSpec(units.shared_props(lending.borrowed(topology, state)),
                                      own=False)
+        out.update(device_specs(topology, state))
         for name in names:
             if name in state.ledger.allocations:
                 record = state.records.get(name, Record())

@@ -344,7 +344,8 @@ class Manager(Callers, ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def IRQIsolation(self) -> "a{sv}":
-        report = self.service.snapshot().irqs
+        snap = self.service.snapshot()
+        report = snap.irqs
         enabled = self.service.config.isolate_irqs
         return {
             "enabled": Variant("b", enabled),
@@ -353,6 +354,10 @@ class Manager(Callers, ServiceInterface):
             "unmovable": Variant("au", list(report.unmovable) if report and enabled else []),
             "pending": Variant("au", list(report.pending) if report and enabled else []),
             "irqbalance": Variant("b", bool(report and enabled and report.irqbalance)),
+            "devices": Variant("aa{sv}", [
+                {k: Variant(sig, v) for k, (sig, v) in device.items()}
+                for device in views.device_irqs(snap.topology, snap.state,
+                                                report.devices if report else None)]),
         }
 
     @dbus_property(access=PropertyAccess.READ)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cpuservice.host.irqbalance import Irqbalance
+from cpuservice.model import device_irqs
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CPUServiceError, IsolationFailed
 
@@ -38,6 +39,12 @@ log = logging.getLogger(__name__)
 IRQS = "kernel:irqs"
 WORKQUEUES = "kernel:workqueues"
 KERNEL_HOLDERS = (IRQS, WORKQUEUES)
+
+
+def is_kernel(unit: str) -> bool:
+    """Whether ``unit`` is a pseudo-unit of the kernel: the interrupts, the workqueues, or one
+    device's interrupts (cpuservice.model.device_irqs: option near-irqs)."""
+    return unit in KERNEL_HOLDERS or device_irqs.address_of(unit) is not None
 
 
 def hex_mask(cpus: CPUSet) -> str:
@@ -67,6 +74,19 @@ class Report:
     irqbalance: bool = False
     # confined, but the kernel defers the move to the interrupt's next arrival (x86 IO-APIC
     # without interrupt remapping): that one arrival may still land on the CPU it leaves
+    pending: list[int] = field(default_factory=list)
+    # the interrupts of devices of option near-irqs, by PCI address, as last written
+    devices: dict[str, DeviceReport] = field(default_factory=dict)
+
+
+@dataclass
+class DeviceReport:
+    """What the last write did to one PCI function's interrupts (its ``msi_irqs`` and legacy
+    ``irq``): the same lists as Report's."""
+
+    cpus: CPUSet = field(default_factory=CPUSet)
+    confined: list[int] = field(default_factory=list)
+    unmovable: list[int] = field(default_factory=list)
     pending: list[int] = field(default_factory=list)
 
 
@@ -142,6 +162,8 @@ class Kernel:
         self._want: dict[str, CPUSet] = {}  # the latest CPUs asked for, per holder
         self._have: dict[str, CPUSet] = {}  # what the last write set (absent: unknown)
         self._flying: dict[str, CPUSet] = {}  # what the write in flight sets
+        # device holders no allocation keeps any more: their interrupts follow the pool again
+        self._released: set[str] = set()
         self._asked = 0  # the number of the latest change that must wait for its write
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
@@ -150,12 +172,40 @@ class Kernel:
     def _report_path(self, holder: str) -> Path:
         return self.state_dir / f"{holder.split(':')[1]}-report.json"
 
+    @property
+    def _devices_path(self) -> Path:
+        """The devices whose interrupts are kept, with their CPUs (read after a restart)."""
+        return self.state_dir / "devices-report.json"
+
+    def _held_devices(self) -> dict[str, str]:
+        try:
+            held = json.loads(self._devices_path.read_text())
+            return {str(a): str(c) for a, c in held.items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
     async def get_cpus(self, holder: str) -> CPUSet | None:
         """What the last write set (None: unknown, the next change writes it anyway)."""
         try:
+            address = device_irqs.address_of(holder)
+            if address is not None:
+                return CPUSet.parse(self._held_devices()[address])
             return CPUSet.parse(json.loads(self._report_path(holder).read_text())["cpus"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def devices(self) -> list[str]:
+        """The device holders whose interrupts the last writes keep (this run of the daemon's
+        or an earlier one's)."""
+        return sorted(device_irqs.holder(a) for a in self._held_devices())
+
+    async def release(self, holder: str) -> None:
+        """A device holder no allocation keeps: its interrupts follow the pool again (a
+        give-back: written shortly after, with whatever comes meanwhile)."""
+        self._want.pop(holder, None)
+        self._have.pop(holder, None)
+        self._released.add(holder)
+        self._start()
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None:
         """The holder's CPUs = ``cpus``: written before this returns when the holder loses a
@@ -164,9 +214,10 @@ class Kernel:
 
     async def set_many(self, wants: Mapping[str, CPUSet]) -> None:
         """Several holders at once: one write when any of them must wait."""
-        if unknown := set(wants) - set(KERNEL_HOLDERS):
+        if unknown := {h for h in wants if not is_kernel(h)}:
             raise IsolationFailed(f"unknown kernel holder {sorted(unknown)!r}")
         self._want.update(wants)
+        self._released -= set(wants)
         if all(self._gives_back(h, c) for h, c in wants.items()):
             self._start()
             return
@@ -180,7 +231,7 @@ class Kernel:
 
     async def settle(self) -> None:
         """Wait until what was asked for is written (isolation switched off, shutdown)."""
-        if self._todo():
+        if self._todo() or self._released:
             await self._written()
 
     async def _written(self) -> None:
@@ -212,19 +263,19 @@ class Kernel:
     async def _write_loop(self) -> None:
         """One write at a time, each of the latest wanted CPUs, until nothing differs."""
         while True:
-            if not self._todo():
+            if not self._todo() and not self._released:
                 self._wake(self._asked, None)
                 return
             if not self._hurry.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._hurry.wait(), self.GIVE_BACK_DELAY)
             self._hurry.clear()
-            todo, number = self._todo(), self._asked
-            if not todo:
+            todo, number, released = self._todo(), self._asked, set(self._released)
+            if not todo and not released:
                 continue
             self._flying = todo
             try:
-                await self._run(todo)
+                await self._run(todo, released)
             except Exception as exc:  # a job that timed out, a lost bus: the same as a refusal
                 error = exc if isinstance(exc, CPUServiceError) else IsolationFailed(
                     f"writing {', '.join(todo)} failed: {exc!r}")
@@ -242,6 +293,7 @@ class Kernel:
             finally:
                 self._flying = {}
             self._have.update(todo)
+            self._released -= released - set(self._want)
             self._wake(number, None)
 
     def _todo(self) -> dict[str, CPUSet]:
@@ -259,8 +311,29 @@ class Kernel:
                     future.set_exception(error)
         return bool(woken)
 
-    async def _run(self, todo: dict[str, CPUSet]) -> None:
-        """One oneshot that writes ``todo`` (one or both holders) and reports each."""
+    def _device_wants(self, todo: Mapping[str, CPUSet], released: set[str]
+                      ) -> dict[str, CPUSet | None] | None:
+        """The devices a write sets (PCI address -> CPUs; None: released, it follows the
+        pool), or None when it sets none. Writing the pool's interrupts writes every IRQ, the
+        devices' too: then every kept device is written again after it, in the same write.
+        A device's CPUs stay within the pool's wanted CPUs (what a rollback writes back cannot
+        lead them out of it)."""
+        devices = {h: c for h, c in self._want.items() if device_irqs.address_of(h)}
+        if not (IRQS in todo or released or devices.keys() & todo.keys()):
+            return None
+        pool = self._want.get(IRQS)
+        out: dict[str, CPUSet | None] = {}
+        for holder, cpus in sorted(devices.items()):
+            if pool is not None and cpus & pool:
+                cpus &= pool
+            out[str(device_irqs.address_of(holder))] = cpus
+        for holder in sorted(released - devices.keys()):
+            out[str(device_irqs.address_of(holder))] = None
+        return out or None
+
+    async def _run(self, todo: dict[str, CPUSet], released: set[str] | None = None) -> None:
+        """One oneshot that writes ``todo`` (the holders, devices' too, that changed), and the
+        devices ``released``, and reports each."""
         self.writes += 1
         unit = f"cpuservice-kernel-{self._tag}-{self.writes}.service"
         args = []
@@ -268,9 +341,18 @@ class Kernel:
             cpus = todo.get(holder)
             args += (["-", "-", "-"] if cpus is None else
                      [hex_mask(cpus), cpus.format(), str(self._report_path(holder))])
+        devices = self._device_wants(todo, released or set())
+        if devices is None:
+            args += ["-", "-"]
+        else:
+            pool = self._want.get(IRQS)
+            args += [str(self._devices_path) + ".run", pool.format() if pool else "-"]
+            for address, cpus in devices.items():
+                args += [address, "release" if cpus is None else cpus.format()]
         # systemd expands $NAME and ${NAME} in ExecStart= (also over D-Bus): $$ is a plain $
         argv = ["/bin/sh", "-c", SET_KERNEL.replace("$", "$$"), "sh", *args]
-        what = ", ".join(f"{h.split(':')[1]} on CPUs {c.format()}" for h, c in todo.items())
+        what = ", ".join(f"{h.split(':', 1)[1]} on CPUs {c.format()}" for h, c in todo.items()) \
+            or "device interrupts given back"
         props: dict[str, tuple[str, Any]] = {
             "Description": ("s", f"cpuservice: {what}"),
             "Type": ("s", "oneshot"),
@@ -286,14 +368,49 @@ class Kernel:
             try:
                 done = json.loads(self._report_path(IRQS).read_text())
                 self.report = Report(cpus, sorted(done["confined"]), sorted(done["unmovable"]),
-                                     pending=pending_moves(done.get("effective", {}), cpus))
+                                     pending=pending_moves(done.get("effective", {}), cpus),
+                                     devices=self.report.devices)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self.report = Report(cpus)
+                self.report = Report(cpus, devices=self.report.devices)
             self.report.irqbalance = self.irqbalance.ban(cpus)
             log.info("IRQs on %s: %d confined, unmovable %s, moved at their next arrival %s%s",
                      cpus.format(), len(self.report.confined), self.report.unmovable or "none",
                      self.report.pending or "none",
                      "; irqbalance told" if self.report.irqbalance else "")
+        if devices is not None:
+            self._devices_written(devices)
+
+    def _devices_written(self, devices: Mapping[str, CPUSet | None]) -> None:
+        """Read what the oneshot did to the devices' interrupts; keep the devices still kept
+        (and their CPUs, for a restart) in devices-report.json."""
+        try:
+            done = json.loads(Path(f"{self._devices_path}.run").read_text())
+        except (OSError, ValueError):
+            done = {}
+        reports = dict(self.report.devices)
+        for address, cpus in devices.items():
+            if cpus is None:
+                reports.pop(address, None)
+                continue
+            entry = done.get(address) if isinstance(done, dict) else None
+            try:
+                reports[address] = DeviceReport(
+                    cpus, sorted(entry["confined"]), sorted(entry["unmovable"]),
+                    pending_moves(entry.get("effective", {}), cpus))
+            except (KeyError, TypeError, AttributeError):
+                reports[address] = DeviceReport(cpus)
+            log.info("IRQs of %s on %s: confined %s, unmovable %s, moved at their next arrival "
+                     "%s", address, cpus.format(), reports[address].confined or "none",
+                     reports[address].unmovable or "none", reports[address].pending or "none")
+        self.report = Report(self.report.cpus, self.report.confined, self.report.unmovable,
+                             self.report.irqbalance, self.report.pending, reports)
+        held = {a: r.cpus.format() for a, r in sorted(reports.items())}
+        tmp = self._devices_path.with_name(self._devices_path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(held))
+            os.replace(tmp, self._devices_path)
+        except OSError as exc:
+            log.warning("cannot record the devices whose interrupts are kept: %s", exc)
 
 
 # What the oneshot runs: for the interrupts, then the workqueues, a hex mask, a CPU list and a
@@ -320,6 +437,31 @@ fi
 if [ "$4" != - ]; then
     echo "$4" > /sys/devices/virtual/workqueue/cpumask || exit 1
     printf '{"cpus":"%s"}' "$5" > "$6.tmp" && mv "$6.tmp" "$6"
+fi
+if [ "${7:--}" != - ]; then
+    report=$7 back=$8 out=
+    [ "$back" = - ] && read -r back < /sys/devices/system/cpu/online
+    shift 8
+    while [ $# -ge 2 ]; do
+        d=/sys/bus/pci/devices/$1 cpus=$2 ok= no= eff= seen=" "
+        [ "$cpus" = release ] && cpus=$back
+        legacy=0
+        read -r legacy 2>/dev/null < "$d/irq"
+        for n in "$d"/msi_irqs/[0-9]* "$legacy"; do
+            n=${n##*/}
+            case "$seen" in *" $n "*) continue ;; esac
+            seen="$seen$n "
+            [ "$n" != 0 ] && [ -e "/proc/irq/$n" ] || continue
+            if echo "$cpus" > "/proc/irq/$n/smp_affinity_list" 2>/dev/null; then
+                ok="$ok,$n" e=
+                read -r e 2>/dev/null < "/proc/irq/$n/effective_affinity_list"
+                eff="$eff,\"$n\":\"$e\""
+            else no="$no,$n"; fi
+        done
+        out="$out,\"$1\":{\"cpus\":\"$cpus\",\"confined\":[${ok#,}],\"unmovable\":[${no#,}],\"effective\":{${eff#,}}}"
+        shift 2
+    done
+    printf '{%s}' "${out#,}" > "$report.tmp" && mv "$report.tmp" "$report"
 fi
 """
 

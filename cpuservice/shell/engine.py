@@ -16,10 +16,16 @@ from types import MappingProxyType
 from cpuservice.apply import partitions, reconcile, units, views
 from cpuservice.apply.change import Basis, Change, Durability, Note
 from cpuservice.apply.reconcile import UnitSpec
-from cpuservice.apply.targets import Targets, partition_mode, partition_of
+from cpuservice.apply.targets import (
+    RELEASE_PROPS,
+    Targets,
+    partition_mode,
+    partition_of,
+    with_appearing,
+)
 from cpuservice.host import cgroup, journal, metrics
 from cpuservice.host.checkpoint import Store
-from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
+from cpuservice.host.irqs import IRQS, WORKQUEUES, Report, is_kernel
 from cpuservice.model import lending
 from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
@@ -188,8 +194,10 @@ class Engine:
         the shared pool's holders and the ``changed`` allocations; NoSafeOrder when no order
         of it keeps the ordering rule."""
         names = set(changed)
-        return reconcile.plan(self.targets.specs(old[0], old[1], names),
-                              self.targets.specs(new[0], new[1], names),
+        after = self.targets.specs(new[0], new[1], names)
+        before = with_appearing(self.targets.specs(old[0], old[1], names), after,
+                                old[0].online | new[0].online)
+        return reconcile.plan(before, after,
                               old[1].ledger.exclusive | new[1].ledger.exclusive,
                               lending.shareable(old, new), units.BORROW, new[1].ledger.shared)
 
@@ -255,6 +263,7 @@ class Engine:
         that could not be undone): the same transaction, from what systemd reports."""
         after = self.specs(state, state.ledger.allocations)
         before, dead = await self.observe(after)
+        before = with_appearing(before, after, self.topology.online)
         # what bound slices hold now is protected too; a slice on the shared pool (a bound
         # allocation that lost every CPU) holds nothing of its own
         on_pool = {state.records[n].unit for n, a in state.ledger.allocations.items()
@@ -290,11 +299,17 @@ class Engine:
                 dead.append(unit)
                 continue
             before[unit] = UnitSpec(units.observed_props(have), own=True)
+        kept = self.kernel.devices() if self.kernel is not None else []
+        for unit in kept:  # a device no allocation keeps any more: it is released
+            if unit not in after and (cpus := await self.kernel.get_cpus(unit)):  # type: ignore[union-attr]
+                before[unit] = UnitSpec(units.shared_props(cpus), own=False,
+                                        restore=RELEASE_PROPS)
         for unit, spec in after.items():
-            if unit in KERNEL_HOLDERS:
+            if is_kernel(unit):
                 cpus = await self.kernel.get_cpus(unit) if self.kernel is not None else None
                 if cpus:
-                    before[unit] = UnitSpec(units.shared_props(cpus), own=False)
+                    before[unit] = UnitSpec(units.shared_props(cpus), own=False,
+                                            restore=spec.restore)
                 continue
             if spec.own:
                 continue

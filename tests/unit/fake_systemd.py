@@ -273,6 +273,7 @@ class FakeKernel:
         self.systemd = systemd
         self.report = Report()
         self.batches: list[dict[str, CPUSet]] = []  # the holders set together, each time
+        self.released: list[str] = []  # device holders released (option near-irqs)
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None:
         fake = self.systemd
@@ -292,3 +293,15 @@ class FakeKernel:
     async def get_cpus(self, holder: str) -> CPUSet | None:
         unit = self.systemd.units.get(holder)
         return None if unit is None else CPUSet.from_mask(bytes(unit.props["AllowedCPUs"]))
+
+    async def release(self, holder: str) -> None:
+        """A device's interrupts follow the pool again (option near-irqs): its unit goes."""
+        fake = self.systemd
+        fake._mutating("ReleaseKernelCPUs", holder, {})
+        fake.units.pop(holder, None)
+        fake._record()
+        self.released.append(holder)
+
+    def devices(self) -> list[str]:
+        from cpuservice.model.device_irqs import PREFIX
+        return sorted(u for u in self.systemd.units if u.startswith(PREFIX))
