@@ -251,7 +251,9 @@ def violations(timeline: Sequence[Mapping[str, CPUSet]], exclusive: CPUSet,
             holders = {u for u, cpus in units.items() if cpu in cpus}
             owner = lent.get(cpu, frozenset()) if lent else frozenset()
             owners = {owner} if isinstance(owner, str) else owner
-            if len(holders) > 1 and not holders <= SHARED_HOLDERS and not (
+            # a device's interrupts (option near-irqs) hold the shared pool too
+            pool = {u for u in holders if u in SHARED_HOLDERS or u.startswith("kernel:irqs:")}
+            if len(holders) > 1 and not holders <= pool and not (
                     BORROW in holders and len(holders) == 2 and holders - {BORROW} <= owners):
                 found.append(f"instant {i}: cpu {cpu} in {', '.join(sorted(holders))}")
     return found
