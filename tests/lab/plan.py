@@ -315,3 +315,7 @@ NEAR = Shape(sockets=2, cores=2, threads=1, nodes=2, memory_mb=1536, machine="q3
     "-netdev", "hubport,id=hp0,hubid=0",
     "-device", "virtio-net-pci,netdev=hp0,bus=pcie.0,mac=52:54:00:38:00:01",
 ), disks=(("nvme.img", 64),))
+NEAR_SCENARIOS: dict[str, Scenario] = {
+    "install": Scenario(INSTALL, 300),
+    "near": Scenario("python3 /payload/tests/lab/scenarios/near.py check", 180, ("install",)),
+}
