@@ -52,10 +52,10 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
               f"{', '.join(map(str, pending))}{'; irqbalance told' if irq['irqbalance'] else ''}")
     for device in irq.get("devices") or []:  # option near-irqs
         moved = ", ".join(map(str, device["confined"])) or "none yet"
+        extra = "".join(f"; {what}: {', '.join(map(str, device[key]))}" for key, what in (
+            ("unmovable", "unmovable"), ("pending", "moved at next arrival")) if device[key])
         print(f"  IRQs of {device['address']} (node {device['node']}, for "
-              f"{', '.join(device['allocations'])}): {moved} on {device['cpus']}"
-              f"{'; unmovable: ' + ', '.join(map(str, device['unmovable'])) if device['unmovable'] else ''}"
-              f"{'; moved at next arrival: ' + ', '.join(map(str, device['pending'])) if device['pending'] else ''}"
+              f"{', '.join(device['allocations'])}): {moved} on {device['cpus']}{extra}"
               f"{' (' + device['why'] + ')' if device['why'] else ''}")
     caps = props.get("Capabilities") or {}
     if caps:

@@ -392,7 +392,7 @@ class Kernel:
             if cpus is None:
                 reports.pop(address, None)
                 continue
-            entry = done.get(address) if isinstance(done, dict) else None
+            entry: Any = done.get(address) if isinstance(done, dict) else None
             try:
                 reports[address] = DeviceReport(
                     cpus, sorted(entry["confined"]), sorted(entry["unmovable"]),

@@ -26,12 +26,11 @@ from cpuservice.host.irqs import IRQS, SET_KERNEL, Kernel
 from cpuservice.model import config as config_mod
 from cpuservice.model import device_irqs, near
 from cpuservice.model.cpuset import CPUSet
-from cpuservice.model.errors import InsufficientCPUs, InvalidArgument
+from cpuservice.model.errors import InsufficientCPUs, InvalidArgument, SystemdFailure
 from cpuservice.model.near import Device
 from cpuservice.model.request import Request
 from cpuservice.model.state import Record, State
 from tests.props import examples
-from cpuservice.model.errors import SystemdFailure
 from tests.unit.fake_systemd import Unit
 from tests.unit.test_irqs import Oneshots, fake_proc
 from tests.unit.test_near_service import NODE1, host
