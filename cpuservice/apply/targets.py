@@ -132,7 +132,8 @@ class Targets:
         of a change that gave it to the owner: exclusive as usual until that unit leaves)."""
         owners = lending.lent_by(topology, state)
         pool = {*self.shared_units, units.BORROW}
-        others = {c: {u for u, spec in before.items() if u not in pool and c in (spec.cpus or ())}
+        others = {c: {u for u, spec in before.items() if u not in pool
+                      and device_irqs.address_of(u) is None and c in (spec.cpus or ())}
                   for c in owners}
         return CPUSet(c for c in lending.shareable((topology, state), (topology, state))
                       if others[c] <= {state.records[owners[c]].unit})
