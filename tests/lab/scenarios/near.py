@@ -81,7 +81,7 @@ def by_node() -> tuple[str, str, str]:
     for net in sorted(Path("/sys/class/net").iterdir()):
         if net.name == "lo":
             continue
-        node = int((net / "device/numa_node").read_text())
+        node = int((PCI / pci_of(str(net / "device")) / "numa_node").read_text())
         if node == 1:
             near_if = net.name
         else:
@@ -199,8 +199,8 @@ async def check() -> None:
     nodes = {p.name: int((p / "numa_node").read_text()) for p in PCI.iterdir()}
     node1 = parse(Path("/sys/devices/system/node/node1/cpulist").read_text().strip())
     result(check="sysfs", near_if=near_if, root_if=root_if, nvme=nvme,
-           near_if_node=int(Path(f"/sys/class/net/{near_if}/device/numa_node").read_text()),
-           root_if_node=int(Path(f"/sys/class/net/{root_if}/device/numa_node").read_text()),
+           near_if_node=nodes[pci_of(f"/sys/class/net/{near_if}/device")],
+           root_if_node=nodes[pci_of(f"/sys/class/net/{root_if}/device")],
            nvme_node=nodes[nvme], node1=sorted(node1))
     for interface in (near_if, root_if):
         up(interface)
