@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from cpuservice.host import irq_devices
+from cpuservice.host.irq_devices import DeviceReport
 from cpuservice.host.irqbalance import Irqbalance
+from cpuservice.host.irqs_shell import SET_KERNEL
 from cpuservice.model import device_irqs
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CPUServiceError, IsolationFailed
@@ -77,17 +80,6 @@ class Report:
     pending: list[int] = field(default_factory=list)
     # the interrupts of devices of option near-irqs, by PCI address, as last written
     devices: dict[str, DeviceReport] = field(default_factory=dict)
-
-
-@dataclass
-class DeviceReport:
-    """What the last write did to one PCI function's interrupts (its ``msi_irqs`` and legacy
-    ``irq``): the same lists as Report's."""
-
-    cpus: CPUSet = field(default_factory=CPUSet)
-    confined: list[int] = field(default_factory=list)
-    unmovable: list[int] = field(default_factory=list)
-    pending: list[int] = field(default_factory=list)
 
 
 def pending_moves(effective: Mapping[str, str], cpus: CPUSet) -> list[int]:
@@ -177,19 +169,12 @@ class Kernel:
         """The devices whose interrupts are kept, with their CPUs (read after a restart)."""
         return self.state_dir / "devices-report.json"
 
-    def _held_devices(self) -> dict[str, str]:
-        try:
-            held = json.loads(self._devices_path.read_text())
-            return {str(a): str(c) for a, c in held.items()}
-        except (OSError, ValueError, AttributeError):
-            return {}
-
     async def get_cpus(self, holder: str) -> CPUSet | None:
         """What the last write set (None: unknown, the next change writes it anyway)."""
         try:
             address = device_irqs.address_of(holder)
             if address is not None:
-                return CPUSet.parse(self._held_devices()[address])
+                return CPUSet.parse(irq_devices.held(self._devices_path)[address])
             return CPUSet.parse(json.loads(self._report_path(holder).read_text())["cpus"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
@@ -197,7 +182,7 @@ class Kernel:
     def devices(self) -> list[str]:
         """The device holders whose interrupts the last writes keep (this run of the daemon's
         or an earlier one's)."""
-        return sorted(device_irqs.holder(a) for a in self._held_devices())
+        return sorted(device_irqs.holder(a) for a in irq_devices.held(self._devices_path))
 
     async def release(self, holder: str) -> None:
         """A device holder no allocation keeps: its interrupts follow the pool again (a
@@ -311,26 +296,6 @@ class Kernel:
                     future.set_exception(error)
         return bool(woken)
 
-    def _device_wants(self, todo: Mapping[str, CPUSet], released: set[str]
-                      ) -> dict[str, CPUSet | None] | None:
-        """The devices a write sets (PCI address -> CPUs; None: released, it follows the
-        pool), or None when it sets none. Writing the pool's interrupts writes every IRQ, the
-        devices' too: then every kept device is written again after it, in the same write.
-        A device's CPUs stay within the pool's wanted CPUs (what a rollback writes back cannot
-        lead them out of it)."""
-        devices = {h: c for h, c in self._want.items() if device_irqs.address_of(h)}
-        if not (IRQS in todo or released or devices.keys() & todo.keys()):
-            return None
-        pool = self._want.get(IRQS)
-        out: dict[str, CPUSet | None] = {}
-        for holder, cpus in sorted(devices.items()):
-            if pool is not None and cpus & pool:
-                cpus &= pool
-            out[str(device_irqs.address_of(holder))] = cpus
-        for holder in sorted(released - devices.keys()):
-            out[str(device_irqs.address_of(holder))] = None
-        return out or None
-
     async def _run(self, todo: dict[str, CPUSet], released: set[str] | None = None) -> None:
         """One oneshot that writes ``todo`` (the holders, devices' too, that changed), and the
         devices ``released``, and reports each."""
@@ -341,14 +306,8 @@ class Kernel:
             cpus = todo.get(holder)
             args += (["-", "-", "-"] if cpus is None else
                      [hex_mask(cpus), cpus.format(), str(self._report_path(holder))])
-        devices = self._device_wants(todo, released or set())
-        if devices is None:
-            args += ["-", "-"]
-        else:
-            pool = self._want.get(IRQS)
-            args += [str(self._devices_path) + ".run", pool.format() if pool else "-"]
-            for address, cpus in devices.items():
-                args += [address, "release" if cpus is None else cpus.format()]
+        devices = irq_devices.wants(self._want, todo, released or set(), IRQS)
+        args += irq_devices.args(self._devices_path, self._want.get(IRQS), devices)
         # systemd expands $NAME and ${NAME} in ExecStart= (also over D-Bus): $$ is a plain $
         argv = ["/bin/sh", "-c", SET_KERNEL.replace("$", "$$"), "sh", *args]
         what = ", ".join(f"{h.split(':', 1)[1]} on CPUs {c.format()}" for h, c in todo.items()) \
@@ -380,90 +339,11 @@ class Kernel:
         if devices is not None:
             self._devices_written(devices)
 
-    def _devices_written(self, devices: Mapping[str, CPUSet | None]) -> None:
-        """Read what the oneshot did to the devices' interrupts; keep the devices still kept
-        (and their CPUs, for a restart) in devices-report.json."""
-        try:
-            done = json.loads(Path(f"{self._devices_path}.run").read_text())
-        except (OSError, ValueError):
-            done = {}
-        reports = dict(self.report.devices)
-        for address, cpus in devices.items():
-            if cpus is None:
-                reports.pop(address, None)
-                continue
-            entry: Any = done.get(address) if isinstance(done, dict) else None
-            try:
-                reports[address] = DeviceReport(
-                    cpus, sorted(entry["confined"]), sorted(entry["unmovable"]),
-                    pending_moves(entry.get("effective", {}), cpus))
-            except (KeyError, TypeError, AttributeError):
-                reports[address] = DeviceReport(cpus)
-            log.info("IRQs of %s on %s: confined %s, unmovable %s, moved at their next arrival "
-                     "%s", address, cpus.format(), reports[address].confined or "none",
-                     reports[address].unmovable or "none", reports[address].pending or "none")
+    def _devices_written(self, devices: irq_devices.Wants) -> None:
+        reports = irq_devices.written(self._devices_path, devices, self.report.devices,
+                                      pending_moves)
         self.report = Report(self.report.cpus, self.report.confined, self.report.unmovable,
                              self.report.irqbalance, self.report.pending, reports)
-        held = {a: r.cpus.format() for a, r in sorted(reports.items())}
-        tmp = self._devices_path.with_name(self._devices_path.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(held))
-            os.replace(tmp, self._devices_path)
-        except OSError as exc:
-            log.warning("cannot record the devices whose interrupts are kept: %s", exc)
-
-
-# What the oneshot runs: for the interrupts, then the workqueues, a hex mask, a CPU list and a
-# report path each ("-" three times: leave it). A shell starts in milliseconds, where a Python
-# interpreter takes seconds under emulation. An IRQ whose affinity the kernel will not set
-# (managed, per-CPU) is listed as unmovable; one that vanished is skipped. Where the kernel
-# delivers each confined IRQ right after (effective_affinity_list) tells a deferred move.
-SET_KERNEL = r"""
-if [ "$1" != - ]; then
-    echo "$1" > /proc/irq/default_smp_affinity || exit 1
-    ok= no= eff=
-    for d in /proc/irq/[0-9]*; do
-        n=${d#/proc/irq/}
-        if echo "$2" > "$d/smp_affinity_list" 2>/dev/null; then
-            ok="$ok,$n" e=
-            read -r e 2>/dev/null < "$d/effective_affinity_list"
-            eff="$eff,\"$n\":\"$e\""
-        elif [ -e "$d" ]; then no="$no,$n"; fi
-    done
-    printf '{"cpus":"%s","confined":[%s],"unmovable":[%s],"effective":{%s}}' \
-        "$2" "${ok#,}" "${no#,}" "${eff#,}" > "$3.tmp"
-    mv "$3.tmp" "$3"
-fi
-if [ "$4" != - ]; then
-    echo "$4" > /sys/devices/virtual/workqueue/cpumask || exit 1
-    printf '{"cpus":"%s"}' "$5" > "$6.tmp" && mv "$6.tmp" "$6"
-fi
-if [ "${7:--}" != - ]; then
-    report=$7 back=$8 out=
-    [ "$back" = - ] && read -r back < /sys/devices/system/cpu/online
-    shift 8
-    while [ $# -ge 2 ]; do
-        d=/sys/bus/pci/devices/$1 cpus=$2 ok= no= eff= seen=" "
-        [ "$cpus" = release ] && cpus=$back
-        legacy=0
-        read -r legacy 2>/dev/null < "$d/irq"
-        for n in "$d"/msi_irqs/[0-9]* "$legacy"; do
-            n=${n##*/}
-            case "$seen" in *" $n "*) continue ;; esac
-            seen="$seen$n "
-            [ "$n" != 0 ] && [ -e "/proc/irq/$n" ] || continue
-            if echo "$cpus" > "/proc/irq/$n/smp_affinity_list" 2>/dev/null; then
-                ok="$ok,$n" e=
-                read -r e 2>/dev/null < "/proc/irq/$n/effective_affinity_list"
-                eff="$eff,\"$n\":\"$e\""
-            else no="$no,$n"; fi
-        done
-        out="$out,\"$1\":{\"cpus\":\"$cpus\",\"confined\":[${ok#,}],\"unmovable\":[${no#,}],\"effective\":{${eff#,}}}"
-        shift 2
-    done
-    printf '{%s}' "${out#,}" > "$report.tmp" && mv "$report.tmp" "$report"
-fi
-"""
 
 
 def _write(path: Path, text: str) -> None:

@@ -13,16 +13,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from cpuservice.apply import partitions, reconcile, units, views
+from cpuservice.apply import partitions, reconcile, targets, units, views
 from cpuservice.apply.change import Basis, Change, Durability, Note
 from cpuservice.apply.reconcile import UnitSpec
-from cpuservice.apply.targets import (
-    RELEASE_PROPS,
-    Targets,
-    partition_mode,
-    partition_of,
-    with_appearing,
-)
+from cpuservice.apply.targets import Targets, partition_mode, partition_of
 from cpuservice.host import cgroup, journal, metrics
 from cpuservice.host.checkpoint import Store
 from cpuservice.host.irqs import IRQS, WORKQUEUES, Report, is_kernel
@@ -195,8 +189,8 @@ class Engine:
         of it keeps the ordering rule."""
         names = set(changed)
         after = self.targets.specs(new[0], new[1], names)
-        before = with_appearing(self.targets.specs(old[0], old[1], names), after,
-                                old[0].online | new[0].online)
+        before = targets.with_appearing(self.targets.specs(old[0], old[1], names), after,
+                                        old[0].online | new[0].online)
         return reconcile.plan(before, after,
                               old[1].ledger.exclusive | new[1].ledger.exclusive,
                               lending.shareable(old, new), units.BORROW, new[1].ledger.shared)
@@ -263,7 +257,7 @@ class Engine:
         that could not be undone): the same transaction, from what systemd reports."""
         after = self.specs(state, state.ledger.allocations)
         before, dead = await self.observe(after)
-        before = with_appearing(before, after, self.topology.online)
+        before = targets.with_appearing(before, after, self.topology.online)
         # what bound slices hold now is protected too; a slice on the shared pool (a bound
         # allocation that lost every CPU) holds nothing of its own
         on_pool = {state.records[n].unit for n, a in state.ledger.allocations.items()
@@ -303,7 +297,7 @@ class Engine:
         for unit in kept:  # a device no allocation keeps any more: it is released
             if unit not in after and (cpus := await self.kernel.get_cpus(unit)):  # type: ignore[union-attr]
                 before[unit] = UnitSpec(units.shared_props(cpus), own=False,
-                                        restore=RELEASE_PROPS)
+                                        restore=targets.RELEASE_PROPS)
         for unit, spec in after.items():
             if is_kernel(unit):
                 cpus = await self.kernel.get_cpus(unit) if self.kernel is not None else None
