@@ -12,6 +12,7 @@ def test_devices_behind_the_node1_bridge_get_node1_cpus_and_keep_their_irqs_off(
     install = near_boot.results["install"]
     assert install.status == 0, install.output
     result = near_boot.results["near"]
+    print(result.output)  # shown when it fails (-rA: always)
     assert result.status == 0, result.output
     found = result.checks()
     sysfs = found["sysfs"]
