@@ -28,8 +28,11 @@ def test_devices_behind_the_node1_bridge_get_node1_cpus_and_keep_their_irqs_off(
         # every interrupt of the device that the kernel lets move is on node 1's shared CPU
         assert row["confined"] and all(set(cpus) == node1 - held
                                        for cpus in row["affinity"].values()), row
-        # and none arrived on the allocation's CPU while traffic or I/O ran
+        # and none arrived on the allocation's CPU while traffic or I/O ran; before, in a
+        # moment of load, at most the one arrival of each interrupt whose move the kernel
+        # deferred (reported pending: x86 without interrupt remapping)
         assert row["on_allocation"] == 0, row
+        assert row["warmup_on_allocation"] <= len(row["pending"]), row
     assert found["nearnet"]["on_node1_shared"] > 0, found["nearnet"]
     # the NVMe's I/O queues are managed interrupts: the kernel keeps them (reported unmovable)
     assert found["neardisk"]["unmovable"], found["neardisk"]
