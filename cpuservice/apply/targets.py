@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from cpuservice import placement
 from cpuservice.apply import partitions, units
 from cpuservice.apply.reconcile import UnitSpec
-from cpuservice.model import lending
+from cpuservice.model import device_irqs, lending
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.request import Request
@@ -49,6 +49,33 @@ def follows_shared(a: Allocation, own: bool) -> bool:
     if a.bound:
         return not a.held  # degraded to nothing: it runs on the shared pool
     return a.request.options.memory_nodes or not own
+
+
+RELEASE_PROPS = {device_irqs.RELEASE: ("b", True)}
+
+
+def device_specs(topology: Topology, state: State) -> dict[str, UnitSpec]:
+    """The interrupts of each device an allocation keeps them off (option near-irqs), as one
+    more holder of the shared pool: its CPUs are the pool's next to the device
+    (cpuservice.model.device_irqs); when no allocation keeps it any more it is "restored" (its
+    interrupts follow the pool again)."""
+    ledger = state.ledger
+    return {unit: UnitSpec(units.shared_props(p.cpus), own=False, restore=RELEASE_PROPS)
+            for unit, p in device_irqs.plan(topology, ledger.bound, ledger.shared).items()
+            if p.cpus}
+
+
+def with_appearing(before: Mapping[str, UnitSpec], after: Mapping[str, UnitSpec],
+                   online: CPUSet) -> dict[str, UnitSpec]:
+    """``before`` with the device holders only ``after`` has: until the change confines them,
+    a device's interrupts may be on any online CPU (they followed the pool, or nobody set
+    them), so the transaction shrinks them to their CPUs in its first step, before any
+    allocation gets CPUs."""
+    out = dict(before)
+    for unit in after.keys() - before.keys():
+        if device_irqs.address_of(unit) is not None:
+            out[unit] = UnitSpec(units.shared_props(online), own=False, restore=RELEASE_PROPS)
+    return out
 
 
 Entry = tuple[Allocation, Record, CPUSet | None, UnitSpec]
@@ -91,6 +118,7 @@ class Targets:
         if state.ledger.borrowers:
             out[units.BORROW] = UnitSpec(units.borrow_props(lending.borrowed(topology, state)),
                                          own=True)
+        out.update(device_specs(topology, state))
         for name in names:
             if name in state.ledger.allocations:
                 record = state.records.get(name, Record())
@@ -105,7 +133,8 @@ class Targets:
         of a change that gave it to the owner: exclusive as usual until that unit leaves)."""
         owners = lending.lent_by(topology, state)
         pool = {*self.shared_units, units.BORROW}
-        others = {c: {u for u, spec in before.items() if u not in pool and c in (spec.cpus or ())}
+        others = {c: {u for u, spec in before.items() if u not in pool
+                      and device_irqs.address_of(u) is None and c in (spec.cpus or ())}
                   for c in owners}
         return CPUSet(c for c in lending.shareable((topology, state), (topology, state))
                       if others[c] <= {state.records[owners[c]].unit})

@@ -194,7 +194,7 @@ def describe(name: str, fields: Mapping[str, str]) -> str:
 # (a partition, explicit CPUs, movable, lend, borrow, near: so that Descriptions written before
 # they existed stay the same), after the owner and the whole CPUs
 OPTIONAL = tuple(o for o in OPTIONS if o.key in (
-    "partition", "cpuset", "movable", "lend", "borrow", "near", "near-policy"))
+    "partition", "cpuset", "movable", "lend", "borrow", "near", "near-policy", "near-irqs"))
 DESCRIBED = tuple(o for o in OPTIONS if o.described and o not in OPTIONAL)
 
 
@@ -212,9 +212,9 @@ def description_fields(a: Allocation, record: Record) -> dict[str, str]:
         fields["cpuset"] = a.request.cpuset.format()
     if opts.movable != Movable.NO:
         fields["movable"] = str(opts.movable)
-    for flag in ("lend", "borrow"):
+    for flag in ("lend", "borrow", "near_irqs"):
         if getattr(opts, flag):
-            fields[flag] = "true"
+            fields[flag.replace("_", "-")] = "true"
     if opts.near is not None:  # as resolved (NAME@NODE@KIND@ADDRESS): no space, no ')'
         fields.update({"near": opts.near, "near-policy": str(opts.near_policy)})
     if a.fragment:

@@ -3,11 +3,13 @@ Pure; the engine hands them to the bus layer with every event, so the bus keeps 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from cpuservice import placement
 from cpuservice.apply import partitions
 from cpuservice.apply.units import NO_QUOTA
+from cpuservice.model import device_irqs as device_irq_plan
 from cpuservice.model import lending, near
 from cpuservice.model.alignment import misalignment
 from cpuservice.model.cpuset import EMPTY, CPUSet
@@ -20,6 +22,27 @@ from cpuservice.model.topology import Topology
 # as invalidated (a large value), the rest with their values.
 MANAGER_CHANGING = ("OnlineCPUs", "IsolatedCPUs", "SharedCPUs", "ExclusiveCPUs", "FragmentCPUs",
                     "LentCPUs")
+
+
+def device_irqs(topology: Topology, state: State, reports: Mapping[str, Any] | None
+                ) -> list[dict[str, tuple[str, Any]]]:
+    """The IRQIsolation property's ``devices`` (option near-irqs): for each PCI function whose
+    interrupts are kept, where they are planned (its node's shared CPUs, or the whole pool and
+    why) and what the last write did (``reports``: address -> cpuservice.host.irqs.DeviceReport,
+    none before the first write)."""
+    out = []
+    plans = device_irq_plan.plan(topology, state.ledger.bound, state.ledger.shared)
+    for p in plans.values():
+        done = (reports or {}).get(p.address)
+        out.append({
+            "address": ("s", p.address), "node": ("i", p.node), "cpus": ("s", p.cpus.format()),
+            "local": ("b", p.local), "why": ("s", p.why), "allocations": ("as", list(p.names)),
+            "written": ("s", done.cpus.format() if done is not None else ""),
+            "confined": ("au", list(done.confined) if done is not None else []),
+            "unmovable": ("au", list(done.unmovable) if done is not None else []),
+            "pending": ("au", list(done.pending) if done is not None else []),
+        })
+    return out
 
 
 def manager(ledger: Ledger, lent: CPUSet = EMPTY) -> dict[str, Any]:

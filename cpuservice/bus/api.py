@@ -19,6 +19,7 @@ from cpuservice.apply import views
 from cpuservice.apply.units import NO_QUOTA
 from cpuservice.bus import statistics
 from cpuservice.bus.callers import Callers
+from cpuservice.bus.irq_report import irq_isolation
 from cpuservice.bus.objects import (
     ALLOCATION_SIGNATURES,
     BUS_NAME,
@@ -353,16 +354,7 @@ class Manager(Callers, ServiceInterface):
 
     @dbus_property(access=PropertyAccess.READ)
     def IRQIsolation(self) -> "a{sv}":
-        report = self.service.snapshot().irqs
-        enabled = self.service.config.isolate_irqs
-        return {
-            "enabled": Variant("b", enabled),
-            "cpus": Variant("s", report.cpus.format() if report and enabled else ""),
-            "confined": Variant("au", list(report.confined) if report and enabled else []),
-            "unmovable": Variant("au", list(report.unmovable) if report and enabled else []),
-            "pending": Variant("au", list(report.pending) if report and enabled else []),
-            "irqbalance": Variant("b", bool(report and enabled and report.irqbalance)),
-        }
+        return irq_isolation(self.service.snapshot(), self.service.config.isolate_irqs)
 
     @dbus_property(access=PropertyAccess.READ)
     def Capabilities(self) -> "a{sv}":

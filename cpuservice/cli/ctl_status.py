@@ -51,6 +51,13 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
         print(f"  IRQs:      {len(irq['confined'])} on {irq['cpus'] or '-'}; unmovable: "
               f"{unmovable}{'; moved at next arrival: ' if pending else ''}"
               f"{', '.join(map(str, pending))}{'; irqbalance told' if irq['irqbalance'] else ''}")
+    for device in irq.get("devices") or []:  # option near-irqs
+        moved = ", ".join(map(str, device["confined"])) or "none yet"
+        extra = "".join(f"; {what}: {', '.join(map(str, device[key]))}" for key, what in (
+            ("unmovable", "unmovable"), ("pending", "moved at next arrival")) if device[key])
+        print(f"  IRQs of {device['address']} (node {device['node']}, for "
+              f"{', '.join(device['allocations'])}): {moved} on {device['cpus']}{extra}"
+              f"{' (' + device['why'] + ')' if device['why'] else ''}")
     caps = props.get("Capabilities") or {}
     if caps:
         kinds = [k for k in caps.get("Partitions", []) if k != "none"]

@@ -69,7 +69,7 @@ VALUE_TIMER = set(TIMER) - {"--on-timezone-change", "--on-clock-change"}
 OWN_VALUE = {"--cpus", "--policy", "--exclusive", "--numa-strategy", "--numa-alignment",
              "--cpuset", "--partition", "--name", "--bus-address", "--near", "--near-policy"}
 # Allocate-only options cpuservice-run takes too (unit and lifetime are its own to choose)
-RUN_ALLOCATE = ("lend", "borrow")
+RUN_ALLOCATE = ("lend", "borrow", "near-irqs")
 OWN_FLAGS = {"--bind", "--memory-nodes", *(f"--{key}" for key in RUN_ALLOCATE), "--service",
              "--scope", "--no-ask-password", "--help", "--version"}
 

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from cpuservice.host import irq_devices
+from cpuservice.host.irq_devices import DeviceReport
 from cpuservice.host.irqbalance import Irqbalance
+from cpuservice.host.irqs_shell import SET_KERNEL
+from cpuservice.model import device_irqs
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CPUServiceError, IsolationFailed
 
@@ -38,6 +42,12 @@ log = logging.getLogger(__name__)
 IRQS = "kernel:irqs"
 WORKQUEUES = "kernel:workqueues"
 KERNEL_HOLDERS = (IRQS, WORKQUEUES)
+
+
+def is_kernel(unit: str) -> bool:
+    """Whether ``unit`` is a pseudo-unit of the kernel: the interrupts, the workqueues, or one
+    device's interrupts (cpuservice.model.device_irqs: option near-irqs)."""
+    return unit in KERNEL_HOLDERS or device_irqs.address_of(unit) is not None
 
 
 def hex_mask(cpus: CPUSet) -> str:
@@ -68,6 +78,8 @@ class Report:
     # confined, but the kernel defers the move to the interrupt's next arrival (x86 IO-APIC
     # without interrupt remapping): that one arrival may still land on the CPU it leaves
     pending: list[int] = field(default_factory=list)
+    # the interrupts of devices of option near-irqs, by PCI address, as last written
+    devices: dict[str, DeviceReport] = field(default_factory=dict)
 
 
 def pending_moves(effective: Mapping[str, str], cpus: CPUSet) -> list[int]:
@@ -142,6 +154,8 @@ class Kernel:
         self._want: dict[str, CPUSet] = {}  # the latest CPUs asked for, per holder
         self._have: dict[str, CPUSet] = {}  # what the last write set (absent: unknown)
         self._flying: dict[str, CPUSet] = {}  # what the write in flight sets
+        # device holders no allocation keeps any more: their interrupts follow the pool again
+        self._released: set[str] = set()
         self._asked = 0  # the number of the latest change that must wait for its write
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._writer: asyncio.Task[None] | None = None
@@ -150,12 +164,33 @@ class Kernel:
     def _report_path(self, holder: str) -> Path:
         return self.state_dir / f"{holder.split(':')[1]}-report.json"
 
+    @property
+    def _devices_path(self) -> Path:
+        """The devices whose interrupts are kept, with their CPUs (read after a restart)."""
+        return self.state_dir / "devices-report.json"
+
     async def get_cpus(self, holder: str) -> CPUSet | None:
         """What the last write set (None: unknown, the next change writes it anyway)."""
         try:
+            address = device_irqs.address_of(holder)
+            if address is not None:
+                return CPUSet.parse(irq_devices.held(self._devices_path)[address])
             return CPUSet.parse(json.loads(self._report_path(holder).read_text())["cpus"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
+
+    def devices(self) -> list[str]:
+        """The device holders whose interrupts the last writes keep (this run of the daemon's
+        or an earlier one's)."""
+        return sorted(device_irqs.holder(a) for a in irq_devices.held(self._devices_path))
+
+    async def release(self, holder: str) -> None:
+        """A device holder no allocation keeps: its interrupts follow the pool again (a
+        give-back: written shortly after, with whatever comes meanwhile)."""
+        self._want.pop(holder, None)
+        self._have.pop(holder, None)
+        self._released.add(holder)
+        self._start()
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None:
         """The holder's CPUs = ``cpus``: written before this returns when the holder loses a
@@ -164,9 +199,10 @@ class Kernel:
 
     async def set_many(self, wants: Mapping[str, CPUSet]) -> None:
         """Several holders at once: one write when any of them must wait."""
-        if unknown := set(wants) - set(KERNEL_HOLDERS):
+        if unknown := {h for h in wants if not is_kernel(h)}:
             raise IsolationFailed(f"unknown kernel holder {sorted(unknown)!r}")
         self._want.update(wants)
+        self._released -= set(wants)
         if all(self._gives_back(h, c) for h, c in wants.items()):
             self._start()
             return
@@ -180,7 +216,7 @@ class Kernel:
 
     async def settle(self) -> None:
         """Wait until what was asked for is written (isolation switched off, shutdown)."""
-        if self._todo():
+        if self._todo() or self._released:
             await self._written()
 
     async def _written(self) -> None:
@@ -212,19 +248,19 @@ class Kernel:
     async def _write_loop(self) -> None:
         """One write at a time, each of the latest wanted CPUs, until nothing differs."""
         while True:
-            if not self._todo():
+            if not self._todo() and not self._released:
                 self._wake(self._asked, None)
                 return
             if not self._hurry.is_set():
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._hurry.wait(), self.GIVE_BACK_DELAY)
             self._hurry.clear()
-            todo, number = self._todo(), self._asked
-            if not todo:
+            todo, number, released = self._todo(), self._asked, set(self._released)
+            if not todo and not released:
                 continue
             self._flying = todo
             try:
-                await self._run(todo)
+                await self._run(todo, released)
             except Exception as exc:  # a job that timed out, a lost bus: the same as a refusal
                 error = exc if isinstance(exc, CPUServiceError) else IsolationFailed(
                     f"writing {', '.join(todo)} failed: {exc!r}")
@@ -242,6 +278,7 @@ class Kernel:
             finally:
                 self._flying = {}
             self._have.update(todo)
+            self._released -= released - set(self._want)
             self._wake(number, None)
 
     def _todo(self) -> dict[str, CPUSet]:
@@ -259,8 +296,9 @@ class Kernel:
                     future.set_exception(error)
         return bool(woken)
 
-    async def _run(self, todo: dict[str, CPUSet]) -> None:
-        """One oneshot that writes ``todo`` (one or both holders) and reports each."""
+    async def _run(self, todo: dict[str, CPUSet], released: set[str] | None = None) -> None:
+        """One oneshot that writes ``todo`` (the holders, devices' too, that changed), and the
+        devices ``released``, and reports each."""
         self.writes += 1
         unit = f"cpuservice-kernel-{self._tag}-{self.writes}.service"
         args = []
@@ -268,9 +306,12 @@ class Kernel:
             cpus = todo.get(holder)
             args += (["-", "-", "-"] if cpus is None else
                      [hex_mask(cpus), cpus.format(), str(self._report_path(holder))])
+        devices = irq_devices.wants(self._want, todo, released or set(), IRQS)
+        args += irq_devices.args(self._devices_path, self._want.get(IRQS), devices)
         # systemd expands $NAME and ${NAME} in ExecStart= (also over D-Bus): $$ is a plain $
         argv = ["/bin/sh", "-c", SET_KERNEL.replace("$", "$$"), "sh", *args]
-        what = ", ".join(f"{h.split(':')[1]} on CPUs {c.format()}" for h, c in todo.items())
+        what = ", ".join(f"{h.split(':', 1)[1]} on CPUs {c.format()}" for h, c in todo.items()) \
+            or "device interrupts given back"
         props: dict[str, tuple[str, Any]] = {
             "Description": ("s", f"cpuservice: {what}"),
             "Type": ("s", "oneshot"),
@@ -286,42 +327,23 @@ class Kernel:
             try:
                 done = json.loads(self._report_path(IRQS).read_text())
                 self.report = Report(cpus, sorted(done["confined"]), sorted(done["unmovable"]),
-                                     pending=pending_moves(done.get("effective", {}), cpus))
+                                     pending=pending_moves(done.get("effective", {}), cpus),
+                                     devices=self.report.devices)
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                self.report = Report(cpus)
+                self.report = Report(cpus, devices=self.report.devices)
             self.report.irqbalance = self.irqbalance.ban(cpus)
             log.info("IRQs on %s: %d confined, unmovable %s, moved at their next arrival %s%s",
                      cpus.format(), len(self.report.confined), self.report.unmovable or "none",
                      self.report.pending or "none",
                      "; irqbalance told" if self.report.irqbalance else "")
+        if devices is not None:
+            self._devices_written(devices)
 
-
-# What the oneshot runs: for the interrupts, then the workqueues, a hex mask, a CPU list and a
-# report path each ("-" three times: leave it). A shell starts in milliseconds, where a Python
-# interpreter takes seconds under emulation. An IRQ whose affinity the kernel will not set
-# (managed, per-CPU) is listed as unmovable; one that vanished is skipped. Where the kernel
-# delivers each confined IRQ right after (effective_affinity_list) tells a deferred move.
-SET_KERNEL = r"""
-if [ "$1" != - ]; then
-    echo "$1" > /proc/irq/default_smp_affinity || exit 1
-    ok= no= eff=
-    for d in /proc/irq/[0-9]*; do
-        n=${d#/proc/irq/}
-        if echo "$2" > "$d/smp_affinity_list" 2>/dev/null; then
-            ok="$ok,$n" e=
-            read -r e 2>/dev/null < "$d/effective_affinity_list"
-            eff="$eff,\"$n\":\"$e\""
-        elif [ -e "$d" ]; then no="$no,$n"; fi
-    done
-    printf '{"cpus":"%s","confined":[%s],"unmovable":[%s],"effective":{%s}}' \
-        "$2" "${ok#,}" "${no#,}" "${eff#,}" > "$3.tmp"
-    mv "$3.tmp" "$3"
-fi
-if [ "$4" != - ]; then
-    echo "$4" > /sys/devices/virtual/workqueue/cpumask || exit 1
-    printf '{"cpus":"%s"}' "$5" > "$6.tmp" && mv "$6.tmp" "$6"
-fi
-"""
+    def _devices_written(self, devices: irq_devices.Wants) -> None:
+        reports = irq_devices.written(self._devices_path, devices, self.report.devices,
+                                      pending_moves)
+        self.report = Report(self.report.cpus, self.report.confined, self.report.unmovable,
+                             self.report.irqbalance, self.report.pending, reports)
 
 
 def _write(path: Path, text: str) -> None:

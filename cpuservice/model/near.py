@@ -220,11 +220,11 @@ def where(topology: Topology, d: Device) -> str:
     return f"{d.name}{f' ({what})' if what else ''}: {locality(topology, d)}"
 
 
-def views(topology: Topology, devices: tuple[Device, ...]) -> list[tuple[str, int, str, str,
-                                                                          str]]:
-    """The Allocation's NearDevices property: (name, node, kind, PCI address, locality)."""
-    return [(d.name, NO_NODE if d.node is None else d.node, d.kind, d.address,
-             locality(topology, d)) for d in devices]
+def views(topology: Topology, devices: tuple[Device, ...]) -> list[list[str | int]]:
+    """The Allocation's NearDevices property: [name, node, kind, PCI address, locality] (lists:
+    dbus-fast 1.x, Debian 12's, takes no tuple for a struct)."""
+    return [[d.name, NO_NODE if d.node is None else d.node, d.kind, d.address,
+             locality(topology, d)] for d in devices]
 
 
 def remote(topology: Topology, devices: tuple[Device, ...], held: CPUSet) -> str:

@@ -106,6 +106,7 @@ class Options(compat.StrictModel):
     borrow: StrictBool = False
     near: Optional[StrictStr] = None  # noqa: UP045
     near_policy: NearPolicy = Field(NearPolicy.REQUIRED, alias="near-policy")
+    near_irqs: StrictBool = Field(False, alias="near-irqs")
 
 
 OPTION_KEYS = compat.field_aliases(Options)
@@ -169,6 +170,10 @@ OPTIONS: tuple[OptionSpec, ...] = (
     OptionSpec("near-policy", "near_policy", OptionKind.CHOICE,
                "only CPUs next to the devices (required), or there first (preferred)",
                NearPolicy),
+    # where the devices' interrupts go (cpuservice.model.device_irqs), not where the CPUs do
+    OptionSpec("near-irqs", "near_irqs", OptionKind.FLAG,
+               "keep the devices' interrupts on shared CPUs of their node, off the allocation",
+               shapes_placement=False),
     OptionSpec("unit", "unit", OptionKind.TEXT,
                "apply to this existing unit instead of a new slice", shapes_placement=False,
                described=False),
@@ -270,7 +275,7 @@ class Request:
         why = _unmovable(opts)
         if why:
             raise InvalidArgument(f"option 'movable' {str(opts.movable)!r}: {why}")
-        for key in ("lend", "borrow"):
+        for key in ("lend", "borrow", "near-irqs"):
             why = _UNLESS[key][1](opts)
             if why:
                 raise InvalidArgument(f"option '{key}': {why}")
@@ -329,6 +334,15 @@ def _no_borrow(opts: Options) -> str:
     return ""
 
 
+def _no_near_irqs(opts: Options) -> str:
+    """Why an allocation of these options has no device interrupts to keep ("" when it has, or
+    does not ask)."""
+    if opts.near_irqs and opts.near is None:
+        return "needs 'near' (the devices whose interrupts to keep off the allocation)"
+    return ""
+
+
 # options a configured default may set only where they can apply: key -> (off, why not)
 _UNLESS: Mapping[str, tuple[Any, Callable[[Options], str]]] = {
-    "movable": ("no", _unmovable), "lend": (False, _no_lend), "borrow": (False, _no_borrow)}
+    "movable": ("no", _unmovable), "lend": (False, _no_lend), "borrow": (False, _no_borrow),
+    "near-irqs": (False, _no_near_irqs)}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from cpuservice.host.irqs import KERNEL_HOLDERS
+from cpuservice.host.irqs import is_kernel
+from cpuservice.model import device_irqs
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.props import Props
 from cpuservice.shell.ports import KernelAPI, SystemdAPI
@@ -22,17 +23,21 @@ class Effector:
         await self.systemd.start_transient(unit, props)
 
     async def set_properties(self, unit: str, props: Props, missing_ok: bool = False) -> None:
-        if unit in KERNEL_HOLDERS:
-            if self.kernel is not None and "AllowedCPUs" in props:
+        if is_kernel(unit):
+            if self.kernel is None:
+                return
+            if device_irqs.RELEASE in props:  # no allocation keeps the device any more
+                await self.kernel.release(unit)
+            elif "AllowedCPUs" in props:
                 await self.kernel.set_cpus(unit, CPUSet.from_mask(bytes(props["AllowedCPUs"][1])))
             return
         await self.systemd.set_properties(unit, props, missing_ok)
 
     def batched(self, unit: str) -> bool:
-        return unit in KERNEL_HOLDERS
+        return is_kernel(unit)
 
     async def set_many(self, writes: Mapping[str, Props]) -> None:
-        """Both kernel holders in one write."""
+        """The kernel holders (interrupts, workqueues, devices' interrupts) in one write."""
         wants = {u: CPUSet.from_mask(bytes(p["AllowedCPUs"][1]))
                  for u, p in writes.items() if "AllowedCPUs" in p}
         if self.kernel is not None and wants:

@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from cpuservice.apply import partitions, reconcile, units, views
+from cpuservice.apply import partitions, reconcile, targets, units, views
 from cpuservice.apply.change import Basis, Change, Durability, Note
 from cpuservice.apply.reconcile import UnitSpec
 from cpuservice.apply.targets import Targets, partition_mode, partition_of
 from cpuservice.host import cgroup, journal, metrics
 from cpuservice.host.checkpoint import Store
-from cpuservice.host.irqs import IRQS, KERNEL_HOLDERS, WORKQUEUES, Report
+from cpuservice.host.irqs import IRQS, WORKQUEUES, Report
 from cpuservice.model import lending
 from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
@@ -27,10 +27,9 @@ from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, Syste
 from cpuservice.model.pools import Ledger, check_invariants
 from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
-from cpuservice.shell import publish
+from cpuservice.shell import observe, publish
 from cpuservice.shell.effector import Effector
 from cpuservice.shell.ports import (
-    UNIT_IFACE,
     Events,
     Fanout,
     KernelAPI,
@@ -39,8 +38,6 @@ from cpuservice.shell.ports import (
 )
 
 log = logging.getLogger(__name__)
-OWN_PATTERNS = ("cpuservice-bound-*.slice", "cpuservice-shared-*.slice",
-                "cpuservice-borrow-*.slice", f"{units.PARTITION_PREFIX}*.slice")
 
 
 @dataclass(frozen=True)
@@ -188,8 +185,10 @@ class Engine:
         the shared pool's holders and the ``changed`` allocations; NoSafeOrder when no order
         of it keeps the ordering rule."""
         names = set(changed)
-        return reconcile.plan(self.targets.specs(old[0], old[1], names),
-                              self.targets.specs(new[0], new[1], names),
+        after = self.targets.specs(new[0], new[1], names)
+        before = targets.with_appearing(self.targets.specs(old[0], old[1], names), after,
+                                        old[0].online | new[0].online)
+        return reconcile.plan(before, after,
                               old[1].ledger.exclusive | new[1].ledger.exclusive,
                               lending.shareable(old, new), units.BORROW, new[1].ledger.shared)
 
@@ -254,7 +253,8 @@ class Engine:
         """Make systemd match ``state`` whatever it holds now (startup, Revalidate, a rollback
         that could not be undone): the same transaction, from what systemd reports."""
         after = self.specs(state, state.ledger.allocations)
-        before, dead = await self.observe(after)
+        before, dead = await observe.held_now(self.systemd, self.kernel, after)
+        before = targets.with_appearing(before, after, self.topology.online)
         # what bound slices hold now is protected too; a slice on the shared pool (a bound
         # allocation that lost every CPU) holds nothing of its own
         on_pool = {state.records[n].unit for n, a in state.ledger.allocations.items()
@@ -268,47 +268,6 @@ class Engine:
                             self.targets.shareable(self.topology, state, before), units.BORROW,
                             state.ledger.shared)
         await reconcile.execute(reconcile.Transaction(stops + tx.ops), self.effector)
-
-    async def observe(self, after: Mapping[str, UnitSpec]
-                      ) -> tuple[dict[str, UnitSpec], list[str]]:
-        """The units systemd holds now: our per-allocation slices (and, apart, the dead ones:
-        to stop, so that they can be started again) and the other units ``after`` names. A
-        slice is ours only when it is one ``after`` names or its Description records the
-        allocation its name says: a slice somebody else made with a similar name is left
-        alone."""
-        before: dict[str, UnitSpec] = {}
-        dead: list[str] = []
-        for unit, active in await self.systemd.list_units((*OWN_PATTERNS, units.BORROW)):
-            if unit == units.BORROW:  # a transient slice of ours while a borrower exists
-                if active in ("active", "activating"):
-                    have = await self.systemd.get(unit, cgroup_iface(unit), units.OWN_PROPERTIES)
-                    have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
-                    before[unit] = UnitSpec(units.observed_props(have), own=True)
-                continue
-            if units.name_of_slice(unit) is None:
-                continue
-            have = await self.systemd.get(unit, cgroup_iface(unit), units.OWN_PROPERTIES)
-            have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
-            if unit not in after and not units.made_by_us(unit, have.get("Description", "")):
-                log.warning("leaving %s alone: cpuservice did not make it", unit)
-                continue
-            if active not in ("active", "activating"):
-                dead.append(unit)
-                continue
-            before[unit] = UnitSpec(units.observed_props(have), own=True)
-        for unit, spec in after.items():
-            if unit in KERNEL_HOLDERS:
-                cpus = await self.kernel.get_cpus(unit) if self.kernel is not None else None
-                if cpus:
-                    before[unit] = UnitSpec(units.shared_props(cpus), own=False)
-                continue
-            if spec.own:
-                continue
-            have = await self.systemd.get(unit, cgroup_iface(unit), units.CPU_PROPERTIES)
-            if have:
-                before[unit] = UnitSpec(units.observed_props(have), own=False,
-                                        restore=spec.restore, forget=spec.forget)
-        return before, dead
 
     async def detect_capabilities(self) -> partitions.Capabilities:
         """What this host can do about partitions: systemd's version and whether its slices

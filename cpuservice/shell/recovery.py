@@ -32,8 +32,9 @@ from cpuservice.model.pools import Allocation, InvariantError, Ledger, check_inv
 from cpuservice.model.topology import Topology
 from cpuservice.placement.repair import Change as Repaired
 from cpuservice.placement.repair import repair
-from cpuservice.shell.engine import OWN_PATTERNS, Engine, empty_ledger, kernel_holders
+from cpuservice.shell.engine import Engine, empty_ledger, kernel_holders
 from cpuservice.shell.lifetime import ended as unit_ended
+from cpuservice.shell.observe import OWN_PATTERNS
 from cpuservice.shell.ports import UNIT_IFACE, SystemdAPI
 
 log = logging.getLogger(__name__)

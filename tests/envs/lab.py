@@ -146,6 +146,11 @@ class Shape:
     nodes: int = 2
     memory_mb: int = 2048
     append: str = ""
+    machine: str = ""  # QEMU's -machine ("": its default, i440fx)
+    # more QEMU arguments (devices); "{workdir}" is the run's directory (for backing files,
+    # made by ``disks``: file name -> size in MiB, sparse)
+    qemu: tuple[str, ...] = ()
+    disks: tuple[tuple[str, int], ...] = ()
 
     @property
     def cpus(self) -> int:
@@ -351,18 +356,36 @@ def _qemu_argv(shape: Shape, base: Path, payload: Path, workdir: Path,
         numa += ["-object", f"memory-backend-ram,id=m{n},size={mem}M",
                  "-numa", f"node,nodeid={n},cpus={n * per_node}-{(n + 1) * per_node - 1},"
                  f"memdev=m{n}"]
+    for name, size in shape.disks:
+        with open(workdir / name, "wb") as disk:
+            disk.truncate(size << 20)
     return [
         "qemu-system-x86_64", "-accel", "tcg,thread=multi", "-m", f"{shape.memory_mb}M",
+        *(["-machine", shape.machine] if shape.machine else []),
         "-smp", f"{shape.cpus},sockets={shape.sockets},cores={shape.cores},"
         f"threads={shape.threads}",
         "-cpu", cpu, *numa,
         "-display", "none", "-vga", "none", "-nic", "none", "-monitor", "none", "-no-reboot",
         "-serial", f"file:{workdir}/console.log", "-serial", f"file:{workdir}/scenarios.log",
-        "-drive", f"file={base},format=raw,if=virtio,snapshot=on",
-        "-drive", f"file={payload},format=raw,if=virtio,readonly=on",
+        *_disks(shape, base, payload),
         "-kernel", str(vmlinuz), "-initrd", str(initrd),
         "-append", f"console=ttyS0 root=/dev/vda rw panic=-1 quiet {shape.append}".strip(),
+        *(arg.replace("{workdir}", str(workdir)) for arg in shape.qemu),
     ]
+
+
+def _disks(shape: Shape, base: Path, payload: Path) -> list[str]:
+    """The root (vda) and payload (vdb) disks: QEMU places them on the newest PCI bus, so with
+    a machine of its own (PCI expander bridges) on the root bus, in that order, explicitly."""
+    drives = [f"file={base},format=raw,if=virtio,snapshot=on",
+              f"file={payload},format=raw,if=virtio,readonly=on"]
+    if not shape.machine:
+        return [arg for drive in drives for arg in ("-drive", drive)]
+    out = []
+    for i, drive in enumerate(drives):
+        out += ["-drive", drive.replace("if=virtio", f"if=none,id=vd{i}"),
+                "-device", f"virtio-blk-pci,drive=vd{i},bus=pcie.0,addr={4 + i:#x}"]
+    return out
 
 
 @dataclass

@@ -90,6 +90,7 @@ PLANNED = {
                         seconds=230),
     "modern_boot": Boot("modern", plan.MODERN, release=lab.SID, seconds=95),
     "small_boot": Boot("small", plan.SMALL_SCENARIOS, plan.SMALL, seconds=30),
+    "near_boot": Boot("near", plan.NEAR_SCENARIOS, plan.NEAR, seconds=150),
 }
 
 
@@ -235,6 +236,13 @@ def trixie_boot(lab_ready: None) -> lab.Run:
 @pytest.fixture(scope="session")
 def small_boot(lab_ready: None) -> lab.Run:
     return _wait(SCHEDULER.boot(PLANNED["small_boot"]))
+
+
+@pytest.fixture(scope="session")
+def near_boot(lab_ready: None) -> lab.Run:
+    """One boot of a q35 machine with devices behind a PCI expander bridge on node 1 that runs
+    plan.NEAR_SCENARIOS (option near and near-irqs, issue 38)."""
+    return _wait(SCHEDULER.boot(PLANNED["near_boot"]))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

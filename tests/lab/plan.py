@@ -297,3 +297,26 @@ DEBIAN13: dict[str, Scenario] = {
     "run": Scenario(LIB + 'step 240 "bash scripts/run.sh" bash /payload/scripts/run.sh\n'
                     'echo "active $(systemctl is-active cpuservice)"\n', 300),
 }
+
+# Devices next to NUMA node 1 (issue 38): a q35 machine whose PCI expander bridge (pxb-pcie)
+# says node 1, with a virtio-net interface and an NVMe controller behind it (each on a root
+# port of its own), and a second virtio-net interface on the root bus, which the guest sees
+# without locality. The two interfaces share a QEMU hub and nothing else: traffic between them
+# (the root-bus one moved into a network namespace) never leaves the VM. 2 sockets x 2 cores,
+# one thread each, a node per socket: the smallest shape with a node-1 allocation beside
+# node-1 shared CPUs.
+NEAR = Shape(sockets=2, cores=2, threads=1, nodes=2, memory_mb=1536, machine="q35", qemu=(
+    "-device", "pxb-pcie,id=pxb1,bus_nr=128,bus=pcie.0,numa_node=1",
+    "-device", "pcie-root-port,id=rp1,bus=pxb1,chassis=11,slot=1",
+    "-device", "pcie-root-port,id=rp2,bus=pxb1,chassis=12,slot=2",
+    "-netdev", "hubport,id=hp1,hubid=0",
+    "-device", "virtio-net-pci,netdev=hp1,bus=rp1,mac=52:54:00:38:01:01",
+    "-drive", "file={workdir}/nvme.img,format=raw,if=none,id=nvm1",
+    "-device", "nvme,drive=nvm1,serial=near1,bus=rp2",
+    "-netdev", "hubport,id=hp0,hubid=0",
+    "-device", "virtio-net-pci,netdev=hp0,bus=pcie.0,mac=52:54:00:38:00:01",
+), disks=(("nvme.img", 64),))
+NEAR_SCENARIOS: dict[str, Scenario] = {
+    "install": Scenario(INSTALL, 300),
+    "near": Scenario("python3 /payload/tests/lab/scenarios/near.py check", 180, ("install",)),
+}

@@ -251,7 +251,9 @@ def violations(timeline: Sequence[Mapping[str, CPUSet]], exclusive: CPUSet,
             holders = {u for u, cpus in units.items() if cpu in cpus}
             owner = lent.get(cpu, frozenset()) if lent else frozenset()
             owners = {owner} if isinstance(owner, str) else owner
-            if len(holders) > 1 and not holders <= SHARED_HOLDERS and not (
+            # a device's interrupts (option near-irqs) hold the shared pool too
+            pool = {u for u in holders if u in SHARED_HOLDERS or u.startswith("kernel:irqs:")}
+            if len(holders) > 1 and not holders <= pool and not (
                     BORROW in holders and len(holders) == 2 and holders - {BORROW} <= owners):
                 found.append(f"instant {i}: cpu {cpu} in {', '.join(sorted(holders))}")
     return found
@@ -273,6 +275,7 @@ class FakeKernel:
         self.systemd = systemd
         self.report = Report()
         self.batches: list[dict[str, CPUSet]] = []  # the holders set together, each time
+        self.released: list[str] = []  # device holders released (option near-irqs)
 
     async def set_cpus(self, holder: str, cpus: CPUSet) -> None:
         fake = self.systemd
@@ -292,3 +295,15 @@ class FakeKernel:
     async def get_cpus(self, holder: str) -> CPUSet | None:
         unit = self.systemd.units.get(holder)
         return None if unit is None else CPUSet.from_mask(bytes(unit.props["AllowedCPUs"]))
+
+    async def release(self, holder: str) -> None:
+        """A device's interrupts follow the pool again (option near-irqs): its unit goes."""
+        fake = self.systemd
+        fake._mutating("ReleaseKernelCPUs", holder, {})
+        fake.units.pop(holder, None)
+        fake._record()
+        self.released.append(holder)
+
+    def devices(self) -> list[str]:
+        from cpuservice.model.device_irqs import PREFIX
+        return sorted(u for u in self.systemd.units if u.startswith(PREFIX))

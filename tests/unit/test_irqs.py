@@ -75,7 +75,7 @@ def test_the_daemon_has_systemd_run_the_oneshot(tmp_path: Path) -> None:
     argv = start.props["ExecStart"][0][1]
     assert argv[2] == SET_KERNEL.replace("$", "$$")  # systemd would expand $NAME itself
     assert argv[:2] == ["/bin/sh", "-c"] and argv[3:] == [
-        "sh", "0000000f", "0-3", str(tmp_path / "irqs-report.json"), "-", "-", "-"]
+        "sh", "0000000f", "0-3", str(tmp_path / "irqs-report.json"), "-", "-", "-", "-", "-"]
     assert start.props["Type"] == "oneshot"
     assert kernel.report.confined == [1, 4] and kernel.report.unmovable == [0]
     assert asyncio.run(kernel.get_cpus(IRQS)) == CPUSet.parse("0-3")

@@ -46,7 +46,13 @@ def test_allocate_near_a_device_applies_cpus_and_memory_next_to_it(tmp_path: Pat
         assert CPUSet.from_mask(bytes(have["AllowedMemoryNodes"])) == CPUSet([1])
         agree(svc, h.fake)
         values = views.allocation(svc.topology, svc.state, "g")
-        assert values["NearDevices"] == [("eth1", 1, "net", "0000:3b:00.0", "NUMA node 1")]
+        assert values["NearDevices"] == [["eth1", 1, "net", "0000:3b:00.0", "NUMA node 1"]]
+        # what the bus sends it as, with every dbus-fast (1.x takes no tuple for a struct)
+        from dbus_fast import Variant
+
+        from cpuservice.bus.objects import ALLOCATION_SIGNATURES
+        for key, value in values.items():
+            Variant(ALLOCATION_SIGNATURES[key], value)
         assert values["NearPolicy"] == "required" and values["Aligned"]
         # a list (D-Bus as) of several kinds; NVIDIA through procfs
         await svc.allocate("h", "2", {"bind": True, "near": ["/dev/nvidia1", "mlx5_0"]}, 0)
