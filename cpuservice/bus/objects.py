@@ -186,6 +186,9 @@ class Bus(MessageBus):
     def _emit_interface_added(self, path: str, interface: ServiceInterface) -> None:
         pass
 
+    def _emit_interface_removed(self, path: str, removed_interfaces: list[str]) -> None:
+        pass
+
     def _exported(self) -> dict[int, set[str]]:
         """id(interface) -> the paths it is exported at (dbus-fast walks every export instead)."""
         return self.__dict__.setdefault("_paths_of", {})  # type: ignore[no-any-return]

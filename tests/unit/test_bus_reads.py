@@ -7,6 +7,8 @@ test_bus_flood.py."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import tempfile
 import time
 from typing import Any
 
@@ -186,3 +188,45 @@ def test_a_callers_pause_holds_up_no_other_caller() -> None:
 
     waited, log = asyncio.run(body())
     assert log == ["hog0", "other"] and waited < 0.1
+
+
+def test_the_bus_finds_an_objects_path_without_a_walk_and_sends_no_object_manager_signals(
+        ) -> None:
+    """Issue 40: signals and unexport found an interface's path by walking every export; the
+    Bus keeps an index instead. Its own InterfacesAdded/Removed (from the object's path) stay
+    suppressed: the Manager sends them from /org/cpuservice1."""
+    from dbus_fast.service import ServiceInterface, signal
+
+    from cpuservice.bus.objects import Bus
+
+    class Thing(ServiceInterface):
+        def __init__(self) -> None:
+            super().__init__("org.example.Thing")
+
+        @signal()
+        def Poked(self) -> "s":  # noqa: UP037, F821 - a D-Bus signature, not a type
+            return "poked"
+
+    async def body() -> None:
+        with tempfile.TemporaryDirectory() as tmp:  # a socket to connect to; nobody answers
+            listener = socket.socket(socket.AF_UNIX)
+            listener.bind(f"{tmp}/bus")
+            listener.listen()
+            bus = Bus(bus_address=f"unix:path={tmp}/bus")
+            listener.close()
+        sent: list[Message] = []
+        bus.send = sent.append  # type: ignore[method-assign,assignment]
+        bus._disconnected = False  # dbus-fast sends its own ObjectManager signals only then
+        things = [Thing() for _ in range(3)]
+        for i, thing in enumerate(things):
+            bus.export(f"/t/{i}", thing)
+        bus.unexport("/t/1")
+        things[2].Poked()
+        things[0].Poked()
+        assert [(m.path, m.member) for m in sent] == [("/t/2", "Poked"), ("/t/0", "Poked")]
+        assert bus._exported() == {id(things[0]): {"/t/0"}, id(things[2]): {"/t/2"}}
+        assert not bus._has_interface(things[1]) and bus._has_interface(things[2])
+        things[1].Poked()  # unexported: on no bus any more, sent nowhere
+        assert len(sent) == 2
+
+    asyncio.run(body())
