@@ -14,6 +14,7 @@ from functools import cached_property
 from types import MappingProxyType
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.keep import NO_KEEP, Keep
 from cpuservice.model.request import Request
 
 GRANULARITIES = (100, 1000)
@@ -62,6 +63,7 @@ class Ledger:
     bound: Mapping[str, Allocation] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, repr=False
     )
+    keep: Keep = NO_KEEP  # cores kept next to devices for their users (cpuservice.model.keep)
 
     def __post_init__(self) -> None:
         """``bound`` (the bound allocations) is derived; with_allocation/without keep it up to
@@ -146,7 +148,7 @@ class Ledger:
         less what ``gone`` held and plus what ``added`` holds (bound allocations; whole CPUs
         never overlap), instead of being derived again from every allocation."""
         new = Ledger.__new__(Ledger)
-        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus"):
+        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus", "keep"):
             object.__setattr__(new, f, getattr(self, f))
         object.__setattr__(new, "allocations", MappingProxyType(allocations))
         object.__setattr__(new, "bound", MappingProxyType(bound))
