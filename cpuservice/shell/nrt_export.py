@@ -15,6 +15,7 @@ from cpuservice.shell.engine import Snapshot
 class NrtExport:
     def __init__(self, defaults: Options) -> None:
         self.defaults = defaults
+        self.roots: dict[str, str] = {}  # PCI address -> PCIe root (the service's start)
         self._last: tuple[tuple[object, ...], dict[str, Any]] | None = None
 
     def __call__(self, snap: Snapshot, node_name: str = "") -> dict[str, Any]:
@@ -25,6 +26,7 @@ class NrtExport:
         if (last is not None and last[0][:2] == (name, snap.generation)
                 and last[0][2] is snap.state and last[0][3] is snap.topology):
             return last[1]
-        out = nrt.export(snap.topology, snap.state.ledger, name, snap.generation, self.defaults)
+        out = nrt.export(snap.topology, snap.state.ledger, name, snap.generation, self.defaults,
+                         snap.capabilities.devices, self.roots)
         self._last = ((name, snap.generation, snap.state, snap.topology), out)
         return out

@@ -195,6 +195,7 @@ class Service:
         caps = await self.engine.detect_capabilities()
         self.engine.capabilities = replace(caps, near=self.devices.kinds(),
                                            devices=self.devices.inventory())
+        self._nrt.roots = self.devices.roots(self.engine.capabilities.devices)
         await recovery.start(self.engine)
         await nearwatch.check(self.engine, self.devices)
         await self.lifetime.watch_all()
