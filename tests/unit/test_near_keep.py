@@ -338,3 +338,36 @@ def test_device_users_get_their_kept_cores_first(machine, name: str, steps: int,
     except InsufficientCPUs:
         return
     assert len(a.whole & mine) >= min(len(free), len(a.whole))
+
+
+# ---- through the daemon's wiring (assemble: the inventory at startup) and the service ----
+
+def test_the_service_keeps_cores_for_its_devices_and_says_so(tmp_path: Any) -> None:
+    from cpuservice.model.fixture_devices import write_devices
+    from tests.unit.test_service_fake import Host, agree, run
+
+    async def body() -> None:
+        h = Host(tmp_path, procfs_root=str(tmp_path / "proc"),
+                 keep_near=[{"kind": "nvidia", "cores": 1}])
+        write_devices(h.root, "gpu-box", "b", proc=tmp_path / "proc")
+        svc = await h.service()
+        kept_cpus = CPUSet.parse("3,7,11,15")  # /dev/nvidia0 on node 0, /dev/nvidia1 on 1
+        assert svc.ledger.keep.cpus == kept_cpus
+        assert svc.capacity("1", {"bind": True}) == 12
+        assert svc.plan("2", {"bind": True, "near": "/dev/nvidia1"}).whole == CPUSet.parse("7,15")
+        await svc.allocate("a", "12", {"bind": True}, 0)
+        state = svc.state
+        with pytest.raises(InsufficientCPUs):
+            await svc.allocate("b", "1", {"bind": True}, 0)
+        assert svc.state is state
+        await svc.allocate("g", "2", {"bind": True, "near": "0000:19:00.0"}, 0)
+        assert svc.ledger.allocations["g"].whole == CPUSet.parse("3,11")
+        agree(svc, h.fake)
+        zones = {z["name"]: {a["name"]: a["value"] for a in z["attributes"]}
+                 for z in svc.node_resource_topology("gpu-box")["zones"]}
+        assert zones["node-1"]["resource.kubernetes.io/pcieRoot"].startswith("pci0000:3b")
+        assert zones["node-0"]["cpuservice.io/kept-cpus"] == "3,11"
+        again = await Host.service(h)  # a restart keeps the same cores and the allocations
+        assert again.ledger.keep == svc.ledger.keep
+        assert again.ledger.allocations["g"].whole == CPUSet.parse("3,11")
+    run(body)
