@@ -106,7 +106,7 @@ def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
     # a restricted (NEAR) try of near-policy preferred finds its own exclusive=numa failures;
     # a try marked for kept cores (whose candidates are not those of the next) none
     near_only = bool(mark) and not free.near_required
-    kept = any(m in mark for m in (MINE, NOT_MINE, LOCKED, ANY))
+    kept = bool(mark) and mark not in (NEAR, FAR)  # marked MINE, NOT_MINE, LOCKED or ANY
     for avoid in attempts(free.opts):
         failed = free.numa_failed_near if near_only else free.numa_failed
         if avoid == Exclusive.NUMA and failed and not kept:

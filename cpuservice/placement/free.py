@@ -124,17 +124,10 @@ class Free:
         LOCKED or ANY: as those marks say (kept cores)."""
         free: AbstractSet[int] = self.takeable() if within is None else self.takeable() & within
         avoid, _, subset = key.partition("/")
-        avoid, *marks = avoid.split("+")
-        for mark in marks:
-            if mark in ("near", "far") and self.near is not None:
-                free = free & self.near if mark == "near" else free - self.near
-            elif mark == "mine":
-                free = free & self.mine
-            elif mark == "notmine":
-                free = free - self.mine
-            elif mark == "locked":
-                free = free & self.locked
-        if self.locked and "any" not in marks and "locked" not in marks:
+        if "+" in avoid:
+            avoid, *marks = avoid.split("+")
+            free = self._marked(free, marks)
+        elif self.locked:
             free = free - self.locked
         if avoid == Exclusive.NUMA and self.used_nodes:
             node_of = self.node_of
@@ -152,6 +145,21 @@ class Free:
             free = free & self.isolated if subset == "iso" else free - self.isolated
         if self.hide:
             free = free - self.hide
+        return free
+
+    def _marked(self, free: AbstractSet[int], marks: list[str]) -> AbstractSet[int]:
+        """``free`` as a key's marks leave it (see NEAR, MINE, ...)."""
+        for mark in marks:
+            if mark in ("near", "far") and self.near is not None:
+                free = free & self.near if mark == "near" else free - self.near
+            elif mark == "mine":
+                free = free & self.mine
+            elif mark == "notmine":
+                free = free - self.mine
+            elif mark == "locked":
+                free = free & self.locked
+        if self.locked and "any" not in marks and "locked" not in marks:
+            free = free - self.locked
         return free
 
     def view(self, key: str) -> View:
