@@ -371,3 +371,24 @@ def test_the_service_keeps_cores_for_its_devices_and_says_so(tmp_path: Any) -> N
         assert again.ledger.keep == svc.ledger.keep
         assert again.ledger.allocations["g"].whole == CPUSet.parse("3,11")
     run(body)
+
+
+def test_repacking_moves_nobody_onto_kept_cores(machine) -> None:
+    """Four movable exclusive=pcpu allocations hold one thread of each core that is not kept;
+    a whole core for another request could only be made by moving one of them onto a kept
+    core, which a move (take_whole, the one engine) never does."""
+    from cpuservice.placement.repack import repack
+
+    t = machine("b")
+    ledger = kept(t)
+    for i in range(4):
+        ledger, a = alloc(t, ledger, f"m{i}", bind("1", exclusive="pcpu", movable="anywhere"))
+        assert not a.held & ledger.keep.cpus
+    request = bind("2", policy="full-pcpus")
+    assert fragmented(ledger, request)  # 4 free threads, no whole core: re-packing is tried
+    assert repack(t, ledger, "new", request) is None
+    # without the kept cores it would have fitted at once
+    assert placement.allocate(t, replace(ledger, keep=keep.NO_KEEP), "new", request)
+    # a GPU's user takes its kept cores, no move needed
+    _, g = alloc(t, ledger, "g", near_req("2", GPU0, policy="full-pcpus"))
+    assert g.whole <= ledger.keep.cpus
