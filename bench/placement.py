@@ -10,10 +10,13 @@ smt_split_full_pcpus=<n> mean_fragmented_cores=<f> half_cores_while_whole_free=<
 fragmentation_refusals=<n> repack_median_us=<f> repack_worst_us=<f>
     repack_worst_us cpus=1024 allocs=<n> requests=<n> repacked=<n> <float>
     repack_ordered_worst_us cpus=1024 allocs=<n> requests=<n> repacked=<n> <float>
+    repack_found_us cpus=128|1024 count=<n> p50=<f> p99=<f> max=<f>
+    repack_refused_us cpus=128|1024 too_few=<n> fragmented=<n> count=<n> p50=<f> p99=<f> max=<f>
     defragment cpus=1024 allocs=<n> moves=<n> whole_free_cores_before=<n> after=<n> us=<float>
     capacity_worst_us cpus=1024 <float>
     capacity_worst_us cpus=1024 isolated=8 <float>
     capacity_worst_us cpus=1024 isolated=64 <float>
+    capacity_worst_us cpus=2048 isolated=64 <float>
 
 The churn line comes per seed for each policy and for all of them (policy=all). The workload:
 fixture c (2 x 32 cores x 2 threads, 4 NUMA nodes, L3 per 8 cores), core 0 reserved, packed,
@@ -50,7 +53,8 @@ allocation is checked to keep its quality (moves.problems) and the run stops if 
 bench/repack.py adds the 1,024-CPU lines: the slowest repack of refused full-pcpus requests on a
 fragmented ledger of about 1,000 allocations, the same with each result checked for a safe order
 of its transaction as the daemon checks it (repack_ordered_worst_us, issue 37), and one
-defragment of it.
+defragment of it. bench/repack_refused.py adds the time of re-packing's refusals (searches that
+found nothing) apart from its successes, at 128 and 1,024 CPUs (issue 40).
 
 ``bench/placement.py --seeds 1,2,3,4,5`` runs other seeds (default 1,2,3), ``--movable 0.3,1``
 other shares of movable requests (default 0.3).
@@ -67,7 +71,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from bench.repack import fragmented_ledger
 from bench.repack import lines as repack_lines
+from bench.repack_refused import churn_refusals, probe_refusals
 from cpuservice import placement
 from cpuservice.host.sysfs import discover
 from cpuservice.model import compat
@@ -146,8 +152,8 @@ CHURN_SIZES = {  # request sizes drawn per policy (full-pcpus: whole SMT-2 cores
 }
 
 
-def churn_trace(seed: int, allocatable: int, ops: int = CHURN_OPS
-                ) -> tuple[list[Op], list[Op]]:
+def churn_trace(seed: int, allocatable: int, ops: int = CHURN_OPS,
+                band: tuple[float, float] = CHURN_BAND) -> tuple[list[Op], list[Op]]:
     """A warm-up that fills the machine to the band's floor, then ``ops`` operations that keep
     the requested occupancy (the sizes of the allocations asked for and not yet released, placed
     or not, over the allocatable CPUs) inside CHURN_BAND: below the floor allocate, above the
@@ -155,7 +161,7 @@ def churn_trace(seed: int, allocatable: int, ops: int = CHURN_OPS
     becomes a release. Releases pick uniformly among the live names. Nothing depends on what an
     engine did with the requests, so any engine can replay the same trace."""
     rng = random.Random(seed)
-    low, high = CHURN_BAND
+    low, high = band
     live: dict[str, int] = {}
     warmup: list[Op] = []
     trace: list[Op] = []
@@ -442,12 +448,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.churn_only:
         for line in repack_lines(t1024):
             print(line, flush=True)
+        for line in [*churn_refusals(epyc, seeds).lines(len(epyc.online)),
+                     *probe_refusals(t1024, fragmented_ledger(t1024)).lines(1024)]:
+            print(line, flush=True)
     if not args.churn_only:
         print(f"capacity_worst_us cpus=1024 {capacity_worst_us(t1024, 1000):.1f}", flush=True)
         print(f"capacity_worst_us cpus=1024 isolated=8 "
               f"{capacity_worst_us(t1024, 1000, isolated=8):.1f}", flush=True)
         print(f"capacity_worst_us cpus=1024 isolated=64 "
               f"{capacity_worst_us(t1024, 1000, isolated=64):.1f}", flush=True)
+        t2048 = _topology(Machine(8, 128, 2, nodes=16, l3_cores=8))
+        print(f"capacity_worst_us cpus=2048 isolated=64 "
+              f"{capacity_worst_us(t2048, 2000, isolated=64):.1f}", flush=True)
     return 0
 
 

@@ -2,14 +2,16 @@
 
 Prints, last:
     allocate_bound_p50_us <float> floor_p50_us <float> ratio <float>
+    allocate_bound_p50_us borrowers=1 <float> floor_p50_us <float> ratio <float>
     shared_update_ratio n=1000 <float>
     checkpoint_scale allocations=3000 ratio <float>
     systemd_shared_slice_set_us children=0 <float> children=3000 <float>
     idle_cpu_percent allocations=3000 <float> rss_mb <float>
     worst_call_ms cpus=1024 allocations=1000 <float> (<the slowest call>)
     burst_allocate n=32 serial_s=<float> concurrent_s=<float> floor_ms=<float> ratio=<float>
-    burst_systemd n=32 concurrent_s=<float>
-    daemon_cpu_us_per_allocate allocations=0 <float> allocations=3000 <float> ratio <float>
+    burst_systemd n=32 concurrent_s=<float> burst_ratio=<float>
+    daemon_cpu_us_per_allocate allocations=0 <float> allocations=1000 <float> ratio <float>
+        allocations=3000 <float> ratio <float>
 
 floor = StartTransientUnit of an equivalent slice (until its job is done) + one
 SetUnitProperties, measured by the same client on the same bus, interleaved with the Allocate
@@ -22,7 +24,9 @@ allocation and with 3,000 of them below it (systemd walks the slice's subtree).
 burst_allocate: 32 bound 1-CPU Allocates issued one after another, then 32 issued at once (all
 answered), the median of 3 rounds each; ratio = concurrent_s / (32 x floor);
 burst_systemd: what systemd alone takes to start 32 such slices issued at once by one client (3
-rounds), the part of a burst no daemon can avoid.
+rounds), the part of a burst no daemon can avoid; burst_ratio = concurrent_s / that.
+borrowers=1: the same Allocate while one borrower exists (the borrow slice, one more holder of
+the shared pool; without a borrower it does not exist, issue 40).
 """
 
 from __future__ import annotations
@@ -264,12 +268,17 @@ def main() -> int:
         alloc_us, floor_us = asyncio.run(measure(address, ROUNDS, True))
         serial_s, burst_s = asyncio.run(burst(address))
         systemd_burst_s = asyncio.run(systemd_burst(address))
+        # what one borrower costs: the borrow slice exists, one more holder of the shared pool
+        daemon.call("Allocate", "ssa{sv}", "borrower", "0.1", "1", "borrow", "b", "true")
+        borrow_us, borrow_floor_us = asyncio.run(measure(address, ROUNDS // 2, True))
+        daemon.call("Release", "s", "borrower")
         pid = int(daemon.show("cpuservice.service", "MainPID")["MainPID"])
         proc = Path(f"/proc/{container.pid1}/root")
         cpu_empty_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
         empty_set_us = asyncio.run(shared_slice_set(address))
         asyncio.run(populate(address, 0, 1000))
         crowded_us, _ = asyncio.run(measure(address, ROUNDS // 2, False))
+        cpu_crowded_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
         asyncio.run(populate(address, 1000, 3000))
         scale_us, _ = asyncio.run(measure(address, ROUNDS // 2, False))
         cpu_full_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
@@ -287,6 +296,8 @@ def main() -> int:
         daemon.stop(wipe=True)
     print(f"allocate_bound_p50_us {alloc_us:.1f} floor_p50_us {floor_us:.1f} "
           f"ratio {alloc_us / floor_us:.2f}")
+    print(f"allocate_bound_p50_us borrowers=1 {borrow_us:.1f} floor_p50_us {borrow_floor_us:.1f} "
+          f"ratio {borrow_us / borrow_floor_us:.2f}")
     print(f"shared_update_ratio n=1000 {crowded_us / alloc_us:.2f}")
     print(f"checkpoint_scale allocations=3000 ratio {scale_us / alloc_us:.2f}")
     print(f"systemd_shared_slice_set_us children=0 {empty_set_us:.1f} "
@@ -295,8 +306,10 @@ def main() -> int:
     print(f"worst_call_ms cpus=1024 allocations=1000 {worst_ms:.1f} ({worst_what})")
     print(f"burst_allocate n=32 serial_s={serial_s:.3f} concurrent_s={burst_s:.3f} "
           f"floor_ms={floor_us / 1000:.2f} ratio={burst_s / (32 * floor_us / 1e6):.2f}")
-    print(f"burst_systemd n=32 concurrent_s={systemd_burst_s:.3f}")
-    print(f"daemon_cpu_us_per_allocate allocations=0 {cpu_empty_us:.0f} allocations=3000 "
+    print(f"burst_systemd n=32 concurrent_s={systemd_burst_s:.3f} "
+          f"burst_ratio={burst_s / systemd_burst_s:.2f}")
+    print(f"daemon_cpu_us_per_allocate allocations=0 {cpu_empty_us:.0f} allocations=1000 "
+          f"{cpu_crowded_us:.0f} ratio {cpu_crowded_us / cpu_empty_us:.2f} allocations=3000 "
           f"{cpu_full_us:.0f} ratio {cpu_full_us / cpu_empty_us:.2f}")
     return 0
 

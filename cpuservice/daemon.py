@@ -81,6 +81,10 @@ def metrics_file(cfg: config.Config, service: Service,
     def render() -> str:
         text = metrics.render(service.topology, service.state, service.engine.counters,
                               __version__, (store.write_error is not None, store.write_failures))
+        host = service.host
+        text += figure_metrics.render_host(
+            sampler.host if sampler is not None else {},
+            host.available if host.guard.enabled else None, host.starving())
         if sampler is None or not sampler.interval:
             return text
         return text + figure_metrics.render(sampler.latest, service.ledger.allocations,
@@ -122,6 +126,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     textfile = metrics_file(cfg, service, sampler)
 
     def sampled() -> None:
+        sampler.host = service.host.read()  # (two cgroups: the shared pool's holders)
         health_monitor.observe(sampler.latest)
         if textfile is not None:
             textfile.changed()
@@ -142,6 +147,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     service.on_committed(changed)
     if textfile is not None:
         service.engine.counters.listeners.append(textfile.changed)
+        service.host.on_change = textfile.changed  # the guard's episodes
     bus.add_message_handler(capture_sender)
     await service.start()
     manager.export_all()
@@ -167,6 +173,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
         return await until_stopped(bus, loop, notifier, drain)
     finally:
         await sampler.shutdown()
+        service.host.disarm()
         notifier.stop_watchdog()
         if textfile is not None:
             textfile.remove()

@@ -15,6 +15,9 @@ for tool in cpuservicectl:cli.ctl cpuservice-run:cli.run cpuserviced:daemon; do
     chmod 755 "/usr/local/bin/${tool%%:*}"
 done
 install -m644 "$src"/systemd/cpuservice.service "$src"/systemd/cpuservice*.slice /etc/systemd/system/
+# the borrow slice is transient since issue 40 (it exists only while a borrower does): a unit
+# file left by an older install would stop the daemon from starting it
+rm -f /etc/systemd/system/cpuservice-borrow.slice
 install -d /etc/systemd/system/cpuservice.service.d
 printf '[Service]\nEnvironment=PYTHONPATH=%s\n' "$lib" \
     > /etc/systemd/system/cpuservice.service.d/local-install.conf

@@ -49,6 +49,8 @@ class Capabilities:
     devices: tuple[Device, ...] = ()  # the devices option near can name here, as at startup
     lending: bool = False  # cgroup v2 with the cpu controller, /proc/PID/schedstat
     lending_reason: str = "not detected yet"
+    guard: bool = False  # the admission guard is armed (cpuservice.shell.host_pressure)
+    guard_reason: str = "not detected yet"
 
     @property
     def partitions(self) -> bool:
@@ -78,6 +80,8 @@ class Capabilities:
                                          d.kind, d.address] for d in self.devices]),
             "Lending": ("b", self.lending),
             "LendingUnavailable": ("s", "" if self.lending else self.lending_reason),
+            "PressureGuard": ("b", self.guard),
+            "PressureGuardUnavailable": ("s", "" if self.guard else self.guard_reason),
         }
 
 

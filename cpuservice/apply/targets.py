@@ -84,12 +84,13 @@ class Targets:
             self._undo.cleared = True
 
     def specs(self, topology: Topology, state: State, names: Iterable[str]) -> dict[str, UnitSpec]:
-        """The shared pool's holders (the borrow slice holds the lent CPUs too) and the named
-        allocations' units."""
+        """The shared pool's holders (while a borrower exists, the borrow slice, which holds the
+        lent CPUs too) and the named allocations' units."""
         out = {u: UnitSpec(units.shared_props(state.ledger.shared), own=False)
                for u in self.shared_units}
-        out[units.BORROW] = UnitSpec(units.shared_props(lending.borrowed(topology, state)),
-                                     own=False)
+        if state.ledger.borrowers:
+            out[units.BORROW] = UnitSpec(units.borrow_props(lending.borrowed(topology, state)),
+                                         own=True)
         for name in names:
             if name in state.ledger.allocations:
                 record = state.records.get(name, Record())

@@ -32,7 +32,14 @@ ROOT = "cpuservice.slice"
 PARTITION_PREFIX = "cpuservice_partition_"  # a top-level slice: no '-' of its own
 SHARED = "cpuservice-shared.slice"
 BOUND = "cpuservice-bound.slice"
-BORROW = "cpuservice-borrow.slice"  # the borrowers': the shared pool and the lent CPUs
+# the borrowers' (option borrow): the shared pool and the lent CPUs, at idle priority. A transient
+# slice that exists only while a borrower does (started with the first, stopped with the last, in
+# the same transactions): a host where nobody borrows has one holder of the shared pool less to
+# write on every change of it
+BORROW = "cpuservice-borrow.slice"
+BORROW_DESCRIPTION = ("cpuservice borrowers (idle priority; AllowedCPUs follows the shared pool "
+                      "and the lent cores)")
+CPU_WEIGHT_IDLE = 0  # CPUWeight=idle (systemd 252, Linux 5.15: cpu.idle=1)
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
 NO_QUOTA = 2**64 - 1
 _PLAIN = re.compile(r"[A-Za-z0-9_:]")
@@ -144,6 +151,13 @@ def allocation_props(
 
 def shared_props(shared: CPUSet) -> Props:
     return {"AllowedCPUs": ("ay", shared.to_mask())}
+
+
+def borrow_props(borrowed: CPUSet) -> Props:
+    """The borrow slice's: borrowers run only when nothing else wants the CPU, and a waking task
+    of any other cgroup preempts them at once."""
+    return {"Description": ("s", BORROW_DESCRIPTION), "CPUWeight": ("t", CPU_WEIGHT_IDLE),
+            "AllowedCPUs": ("ay", borrowed.to_mask())}
 
 
 _SIGNATURES = {"AllowedCPUs": "ay", "AllowedMemoryNodes": "ay", "CPUWeight": "t",

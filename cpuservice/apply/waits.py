@@ -177,7 +177,8 @@ class Walk:
             # new units start once every unit that is there already is done (none waits for
             # them): until then, the CPUs they are to have are free to step aside onto
             ready = [u for u in ([u for u in pending if u in now] or pending)
-                     if not _waits(u, wants, pending, holding, rule)]
+                     if not _waits(u, wants, pending, holding, rule)
+                     and (u in now or parent_slice(u) not in pending)]
             if not ready:
                 seen = (tuple(pending), frozenset(holding.items()))
                 if seen in self.seen:  # been here: whatever way out there is, it was tried
@@ -205,6 +206,15 @@ class Walk:
                 else:
                     holding[unit] = will
         return ops
+
+
+def parent_slice(unit: str) -> str:
+    """The slice a slice is in by its name (``a-b.slice`` is in ``a.slice``; "" for a top-level
+    one or another kind of unit): a new slice starts after its new parent (a borrower's slice
+    after the borrow slice), which would otherwise be made, bare, by systemd for it."""
+    if not unit.endswith(".slice") or "-" not in unit:
+        return ""
+    return unit[:-len(".slice")].rsplit("-", 1)[0] + ".slice"
 
 
 def _waits(unit: str, wants: Wants, pending: Sequence[str],

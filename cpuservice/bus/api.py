@@ -45,6 +45,7 @@ from cpuservice.model.errors import (
     InvalidArgument,
     LimitExceeded,
     NoSuchAllocation,
+    SharedPoolStarving,
 )
 from cpuservice.shell.engine import Snapshot
 from cpuservice.shell.service import Service
@@ -132,13 +133,15 @@ class Manager(Callers, ServiceInterface):
         # a kernel partition keeps every other process of the host off its CPUs: the host's
         # administrator's call, like explicit CPUs and foreign units
         partition = options.get("partition")
-        admin = "cpuset" in options or "unit" in options or (
+        force = statistics.force(options)  # past the admission guard: never recorded
+        admin = "cpuset" in options or "unit" in options or force or (
             partition is not None and getattr(partition, "value", None) != "none")
         owner = await self.authorize(MANAGE if admin else ALLOCATE)
         await self.count_change(owner)
         opts = plain_options(options)
         try:
-            await self.service.allocate(name, cpus, opts, owner, limited=not admin and owner != 0)
+            await self.service.allocate(name, cpus, opts, owner,
+                                        limited=not admin and owner != 0, force=force)
         except LimitExceeded:
             if admin or not await self.exempt(owner):
                 raise
@@ -208,9 +211,9 @@ class Manager(Callers, ServiceInterface):
     async def Resize(self, name: "s", cpus: "s") -> None:
         uid, serial = await self.authorize_for(name)
         await self.count_change(uid)
-        try:
+        try:  # (the admission guard holds the callers the limits hold: Resize has no force)
             await self.service.resize(name, cpus, serial, limited=uid != 0)
-        except LimitExceeded:
+        except (LimitExceeded, SharedPoolStarving):
             if not await self.exempt(uid):
                 raise
             await self.service.resize(name, cpus, serial)
@@ -261,6 +264,12 @@ class Manager(Callers, ServiceInterface):
     @in_turn
     async def GetStatistics(self, names: "as") -> "a{sa{sv}}":
         return await statistics.reply(self.statistics, names)
+
+    @method()
+    @boundary
+    @in_turn
+    async def GetHostPressure(self) -> "a{sa{sv}}":
+        return statistics.host_reply(self.service.host)
 
     @method()
     @boundary

@@ -114,6 +114,8 @@ def parser() -> argparse.ArgumentParser:
     alloc.add_argument("name")
     alloc.add_argument("cpus")
     add_option_args(alloc, allocate=True)
+    alloc.add_argument("--force", action="store_true", help="past the admission guard while "
+                       "the shared pool starves (root or manage; this call only)")
     rel = sub.add_parser("release", help="release an allocation")
     rel.add_argument("name")
     res = sub.add_parser("resize", help="change an allocation's size")
@@ -298,7 +300,8 @@ async def _watch(c: Client, args: argparse.Namespace) -> int:
 
 
 async def _allocate(c: Client, args: argparse.Namespace) -> int:
-    path = await c.allocate(args.name, args.cpus, options_of(args))
+    path = await c.allocate(args.name, args.cpus,
+                            options_of(args) | ({"force": True} if args.force else {}))
     return await _report(c, args, path)
 
 

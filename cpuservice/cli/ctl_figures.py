@@ -115,3 +115,45 @@ async def show(c: Client, args: argparse.Namespace) -> int:
         value = show_value(key, props[key])
         print(value if args.value else f"{key}={value}")
     return 0
+
+
+GUARD = "admission-guard"  # GetHostPressure's entry of the guard (cpuservice.bus.statistics)
+
+
+async def host_pressure(c: Client) -> dict[str, dict[str, Any]] | None:
+    """The Manager's GetHostPressure (the shared pool's holders, the admission guard); None
+    from a daemon that has none."""
+    try:
+        (found,) = await c.call("GetHostPressure", "", [])
+    except dbuscall.CallError as exc:
+        if exc.name == UNKNOWN_METHOD:
+            return None
+        raise
+    return {str(n): unwrap(v) for n, v in found.items()}
+
+
+def host_lines(reply: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """``status``'s lines of the host's pressure and the guard (label, value)."""
+    shown = []
+    for name, f in reply.items():
+        if name == GUARD:
+            continue
+        if "cpu-pressure-some-avg10" in f:
+            shown.append(f"{name} some {f['cpu-pressure-some-avg10']:.2f}% "
+                         f"{f['cpu-pressure-some-avg60']:.2f}%")
+        else:
+            shown.append(f"{name} unknown")
+    lines = [("Pressure", "; ".join(shown) + " (avg10 avg60)")]
+    g = reply.get(GUARD) or {}
+    limit = f"above {g.get('limit-percent', 0):g}% per {int(g.get('window-usec', 0)) // 10**6} s"
+    if not g.get("enabled"):
+        lines.append(("Guard", "off (admission_guard_percent = 0)"))
+    elif not g.get("available"):
+        lines.append(("Guard", f"unavailable, admits everything: {g.get('unavailable', '')}"))
+    elif g.get("starving"):
+        lines.append(("Guard", f"STARVING for {int(g['starving-usec']) / 1e6:.0f} s "
+                      f"({', '.join(g.get('cgroups', []))} {limit}): requests that take "
+                      "shared CPUs are refused"))
+    else:
+        lines.append(("Guard", f"admitting (refuses while the pressure is {limit})"))
+    return lines

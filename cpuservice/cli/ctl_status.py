@@ -26,10 +26,11 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
     props = await c.properties()
     allocations = await c.allocations()
     degraded = [a["Name"] for a in allocations if a["State"] != "active"]
+    host = await ctl_figures.host_pressure(c)  # None: a daemon from before issue 39's host side
     if args.json_mode is not JsonMode.OFF:
         props.pop("Topology", None)
-        print(dumps(props | {"Allocations": len(allocations), "Degraded": degraded},
-                    args.json_mode))
+        print(dumps(props | {"Allocations": len(allocations), "Degraded": degraded}
+                    | ({"HostPressure": host} if host is not None else {}), args.json_mode))
         return 0
     bound = sum(a["Bound"] for a in allocations)
     online = CPUSet.parse(props["OnlineCPUs"])
@@ -59,6 +60,8 @@ async def pools_status(c: Client, args: argparse.Namespace) -> int:
             print(f"  Near:      {', '.join(caps['NearKinds']) or 'no device can be looked up'}")
         if caps.get("Lending") is False:  # a daemon from before issue 37 does not say
             print(f"  Lending:   no ({caps.get('LendingUnavailable', '')})")
+    for label, value in ctl_figures.host_lines(host) if host is not None else ():
+        print(f"  {label + ':':<11}{value}")
     return 0
 
 

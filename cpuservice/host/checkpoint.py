@@ -155,8 +155,10 @@ class Store:
             # the rows written before, with these changes, are every allocation (a count: the
             # touched names are the ones that changed; a full comparison would cost what
             # exists on every change)
-            if len(self._rows) + len(put.keys() - self._rows.keys()) - len(
-                    gone & self._rows.keys()) == len(allocations):
+            # (each term walks the touched names only: a set minus a dict's keys walks the keys)
+            added = sum(1 for n in put if n not in self._rows)
+            if len(self._rows) + added - sum(1 for n in gone if n in self._rows) == len(
+                    allocations):
                 if not names and granularity == self._granularity:
                     return
                 if self._journal_bytes < max(self.JOURNAL_MIN_BYTES, self._snapshot_bytes):

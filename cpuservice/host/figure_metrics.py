@@ -65,3 +65,28 @@ def render(figures: Mapping[str, Figures], allocations: Iterable[str],
                    "How long the last reading of every allocation's figures took.",
                    [({}, round(read_seconds, 6))])
     return "\n".join(out.lines) + "\n"
+
+
+def render_host(figures: Mapping[str, Figures], guard: bool | None = None,
+                starving: bool = False) -> str:
+    """The shared pool's holders' pressure (cpuservice.model.starvation.HOST_CGROUPS, as the
+    sampler last read them) and, with the guard enabled (``guard``: whether it is armed), the
+    admission guard's state (its refusals are cpuservice_requests_total's
+    result="SharedPoolStarving")."""
+    out = _Text()
+    out.family("cpuservice_host_cpu_pressure_seconds_total", "counter",
+               "Time in which some (kind=some) or all (kind=full) runnable tasks of the shared "
+               "pool's holders (cgroup: cpuservice-shared.slice, system.slice) waited for a "
+               "CPU (cpu.pressure total).",
+               [({"cgroup": n, "kind": kind}, v[f"cpu-pressure-{kind}-total-usec"] / 1e6)
+                for n, v in ((n, f.values()) for n, f in sorted(figures.items()))
+                for kind in ("some", "full") if f"cpu-pressure-{kind}-total-usec" in v])
+    if guard is not None:
+        out.family("cpuservice_admission_guard_available", "gauge",
+                   "1 while the admission guard's PSI triggers are armed "
+                   "(admission_guard_percent), 0 where they cannot be.", [({}, int(guard))])
+        out.family("cpuservice_admission_guard_starving", "gauge",
+                   "1 while the shared pool is starving: its holders' CPU pressure is above "
+                   "admission_guard_percent, and requests that take CPUs from it are refused.",
+                   [({}, int(starving))])
+    return "\n".join(out.lines) + "\n"

@@ -30,6 +30,7 @@ from cpuservice.model.cpuset import CPUSet, CPUSetError
 from cpuservice.model.errors import InvalidArgument
 from cpuservice.model.health import Limits
 from cpuservice.model.request import OPTION_KEYS, Options, parse_options
+from cpuservice.model.starvation import Guard
 
 NAME = "cpuservice.toml"
 # highest priority first, as systemd orders /etc, /run and /usr/lib for its own configuration
@@ -42,7 +43,8 @@ _CPU_LIMIT = re.compile(r"[0-9]{1,6}(\.[0-9]{1,3})?%?")
 STATE_EXAMPLE = "/var/lib/cpuservice/state.json"
 METRICS_EXAMPLE = "/var/lib/prometheus/node-exporter/cpuservice.prom"
 HEALTH_NUMBERS = ("health_pressure_percent", "health_throttled_percent",
-                  "health_memory_remote_percent", "health_seconds")
+                  "health_memory_remote_percent", "health_seconds", "admission_guard_percent",
+                  "admission_guard_hold_seconds")
 
 
 class ConfigError(ValueError):
@@ -74,6 +76,14 @@ class Config(compat.StrictModel):
     health_throttled_percent: confloat(ge=0.0, le=100.0) = 20.0  # type: ignore[valid-type]
     health_memory_remote_percent: confloat(ge=0.0, le=100.0) = 20.0  # type: ignore[valid-type]
     health_seconds: confloat(ge=0.0, le=86400.0) = 30.0  # type: ignore[valid-type]
+    # the admission guard (cpuservice.model.starvation): while the CPU pressure of the shared
+    # pool's holders is above admission_guard_percent of a window of
+    # admission_guard_window_seconds (the kernel's PSI trigger: some tasks waiting), an Allocate
+    # or Resize that would take CPUs out of the shared pool is refused; the pressure counts as
+    # gone once the kernel has not reported it for admission_guard_hold_seconds. 0: off
+    admission_guard_percent: confloat(ge=0.0, le=100.0) = 0.0  # type: ignore[valid-type]
+    admission_guard_window_seconds: Literal[2, 4, 6, 8, 10] = 2
+    admission_guard_hold_seconds: confloat(ge=2.0, le=3600.0) = 10.0  # type: ignore[valid-type]
     max_moves_per_allocation_per_hour: conint(  # type: ignore[valid-type]
         strict=True, ge=0, le=3600) = 4
     # lending idle whole cores (option lend, cpuservice.model.lending): the owner's load on
@@ -102,6 +112,11 @@ class Config(compat.StrictModel):
     def health_limits(self) -> Limits:
         return Limits(self.health_pressure_percent, self.health_throttled_percent,
                       self.health_memory_remote_percent, self.health_seconds)
+
+    @property
+    def guard(self) -> Guard:
+        return Guard(self.admission_guard_percent, self.admission_guard_window_seconds,
+                     self.admission_guard_hold_seconds)
 
     @property
     def reserved(self) -> CPUSet:
@@ -215,6 +230,13 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
         raise ConfigError(f"{source}: lend_idle_percent: {config.lend_idle_percent} must be "
                           f"below lend_busy_percent ({config.lend_busy_percent}): between them "
                           "lent cores stay lent and withdrawn ones stay withdrawn")
+    if config.admission_guard_percent and \
+            config.admission_guard_hold_seconds < config.admission_guard_window_seconds:
+        window = config.admission_guard_window_seconds
+        raise ConfigError(f"{source}: admission_guard_hold_seconds: "
+                          f"{config.admission_guard_hold_seconds:g} is shorter than "
+                          f"admission_guard_window_seconds ({window}): the kernel reports a "
+                          "lasting pressure once per window")
     for key in config.defaults:
         if key in PER_REQUEST_ONLY or key not in OPTION_KEYS:
             raise ConfigError(f"{source}: defaults.{key}: not an option that can have a default")

@@ -43,6 +43,13 @@ class NotSupported(CPUServiceError):
     dbus_name = "org.cpuservice1.Error.NotSupported"
 
 
+class SharedPoolStarving(CPUServiceError):
+    """The admission guard (admission_guard_percent) refused a request that would take CPUs
+    out of the shared pool while its CPU pressure is above the limit."""
+
+    dbus_name = "org.cpuservice1.Error.SharedPoolStarving"
+
+
 class IsolationFailed(CPUServiceError):
     """The kernel refused the interrupt or workqueue affinity as a whole."""
 

@@ -14,8 +14,10 @@ from functools import cached_property
 from types import MappingProxyType
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.freeview import FreeView
 from cpuservice.model.keep import NO_KEEP, Keep
 from cpuservice.model.request import Request
+from cpuservice.model.topology import Topology
 
 GRANULARITIES = (100, 1000)
 
@@ -79,6 +81,12 @@ class Ledger:
         return CPUSet.union_all(a.whole for a in self.bound.values())
 
     @cached_property
+    def borrowers(self) -> int:
+        """How many allocations borrow (option borrow): the borrow slice exists while one does.
+        Carried from ledger to ledger (with_allocation, without) like the pools."""
+        return sum(1 for a in self.allocations.values() if a.request.options.borrow)
+
+    @cached_property
     def fragment_pieces(self) -> dict[int, int]:
         """Fragment CPU -> pieces used on it."""
         used: dict[int, int] = {}
@@ -101,8 +109,9 @@ class Ledger:
 
     @cached_property
     def free_isolated(self) -> CPUSet:
-        """Isolated CPUs no allocation holds."""
-        return (self.isolated & self.online) - self.held
+        """Isolated CPUs no allocation holds and none reserved (a reserved CPU is never
+        allocated, isolated or not)."""
+        return (self.isolated & self.online) - self.held - self.reserved
 
     @cached_property
     def allocatable(self) -> CPUSet:
@@ -122,37 +131,52 @@ class Ledger:
     def free_pieces(self, cpu: int) -> int:
         return self.granularity - self.fragment_pieces.get(cpu, 0)
 
+    def free_view(self, topology: Topology) -> FreeView:
+        """The allocatable CPUs per NUMA node of ``topology`` (FreeView): carried over from the
+        ledger this one was made from when that had one, else derived once."""
+        view: FreeView | None = self.__dict__.get("_free_view")
+        if view is None or view.topology is not topology:
+            _ = self.exclusive, self.fragment_pieces  # so that _with carries them, and the view
+            view = self.__dict__["_free_view"] = FreeView.build(topology, self)
+        return view
+
     def owner_of(self, cpu: int) -> list[str]:
         """Names of the allocations holding ``cpu``."""
         return sorted(a.name for a in self.bound.values() if cpu in a.held)
 
     def with_allocation(self, allocation: Allocation) -> Ledger:
         allocations = _copy(self.allocations)
+        before = allocations.get(allocation.name)
         allocations[allocation.name] = allocation
         bound = _copy(self.bound)
         gone = bound.pop(allocation.name, None)
         if allocation.bound:
             bound[allocation.name] = allocation
-        return self._with(allocations, bound, gone, allocation if allocation.bound else None)
+        return self._with(allocations, bound, gone, allocation if allocation.bound else None,
+                          _borrows(allocation) - _borrows(before))
 
     def without(self, name: str) -> Ledger:
         allocations = _copy(self.allocations)
-        del allocations[name]
+        before = allocations.pop(name)
         bound = _copy(self.bound)
         gone = bound.pop(name, None)
-        return self._with(allocations, bound, gone, None)
+        return self._with(allocations, bound, gone, None, -_borrows(before))
 
     def _with(self, allocations: dict[str, Allocation], bound: dict[str, Allocation],
-              gone: Allocation | None, added: Allocation | None) -> Ledger:
+              gone: Allocation | None, added: Allocation | None, borrowers: int = 0) -> Ledger:
         """A ledger with other allocations; the pools this one has computed are carried over,
         less what ``gone`` held and plus what ``added`` holds (bound allocations; whole CPUs
-        never overlap), instead of being derived again from every allocation."""
+        never overlap), instead of being derived again from every allocation; ``borrowers``:
+        how many more borrow."""
         new = Ledger.__new__(Ledger)
-        for f in ("online", "reserved", "isolated", "granularity", "min_shared_cpus", "keep"):
-            object.__setattr__(new, f, getattr(self, f))
-        object.__setattr__(new, "allocations", MappingProxyType(allocations))
-        object.__setattr__(new, "bound", MappingProxyType(bound))
         known = self.__dict__
+        new.__dict__.update(  # the fields, as a frozen dataclass keeps them
+            online=known["online"], reserved=known["reserved"], isolated=known["isolated"],
+            granularity=known["granularity"], min_shared_cpus=known["min_shared_cpus"],
+            allocations=MappingProxyType(allocations), bound=MappingProxyType(bound),
+            keep=known["keep"])
+        if "borrowers" in known:
+            new.__dict__["borrowers"] = known["borrowers"] + borrowers
         if "exclusive" in known:
             exclusive = known["exclusive"]
             if gone is not None and gone.whole:
@@ -175,6 +199,12 @@ class Ledger:
                     else:
                         pieces.pop(a.fragment.cpu, None)
             new.__dict__["fragment_pieces"] = pieces
+        view: FreeView | None = known.get("_free_view")
+        if view is not None and "exclusive" in new.__dict__ and "fragment_pieces" in new.__dict__:
+            gone = gone if gone is not None and gone.bound else None
+            added = added if added is not None and added.bound else None
+            new.__dict__["_free_view"] = (view.after(self, new, gone, added)
+                                          if gone is not None or added is not None else view)
         return new
 
     def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
@@ -182,6 +212,10 @@ class Ledger:
         if isolated is None:
             isolated = self.isolated
         return replace(self, online=online, isolated=isolated)
+
+
+def _borrows(a: Allocation | None) -> int:
+    return int(a is not None and a.request.options.borrow)
 
 
 def _copy(mapping: Mapping[str, Allocation]) -> dict[str, Allocation]:
@@ -230,12 +264,16 @@ def check_invariants(ledger: Ledger) -> None:
             problems.append(f"fragment CPU {cpu} has {pieces} > {ledger.granularity} pieces")
     if ledger.held & ledger.reserved:
         problems.append(f"reserved CPUs {ledger.held & ledger.reserved} are allocated")
-    if not ledger.shared >= (ledger.reserved & ledger.online):
+    if not ledger.shared >= (ledger.reserved & ledger.online) - ledger.isolated:
         problems.append("the shared pool does not contain every online reserved CPU")
     if len(ledger.shared) < min(ledger.min_shared_cpus, len(ledger.online - ledger.isolated)):
         problems.append(f"shared pool {ledger.shared} is smaller than {ledger.min_shared_cpus}")
-    parts = (ledger.shared, ledger.exclusive, ledger.fragment, ledger.free_isolated)
+    # (an isolated CPU that is reserved is in none of the pools but itself: never shared,
+    # never allocated)
+    kept = (ledger.reserved & ledger.isolated & ledger.online) - ledger.held
+    parts = (ledger.shared, ledger.exclusive, ledger.fragment, ledger.free_isolated, kept)
     if sum(map(len, parts)) != len(ledger.online) or CPUSet.union_all(parts) != ledger.online:
-        problems.append("shared, exclusive, fragment and free isolated do not partition online")
+        problems.append("shared, exclusive, fragment, free isolated and reserved isolated do "
+                        "not partition online")
     if problems:
         raise InvariantError("; ".join(problems))

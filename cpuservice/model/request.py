@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from enum import StrEnum
+from functools import cached_property
 from typing import Any, Optional
 
 from pydantic import Field, StrictBool, StrictStr
@@ -216,12 +217,12 @@ class Request:
     options: Options
     cpuset: CPUSet | None = None
 
-    @property
+    @cached_property
     def whole(self) -> int:
         """Whole CPUs (the X of X.Y)."""
         return int(self.cpus)
 
-    @property
+    @cached_property
     def fraction(self) -> Decimal:
         """The .Y of X.Y."""
         return self.cpus - self.whole

@@ -102,7 +102,7 @@ def refusal(free: Free) -> str:
 
 
 def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
-    error = InsufficientCPUs("no CPUs")
+    error: InsufficientCPUs | None = None
     # a restricted (NEAR) try of near-policy preferred finds its own exclusive=numa failures;
     # a try marked for kept cores (whose candidates are not those of the next) none
     near_only = bool(mark) and not free.near_required
@@ -121,7 +121,7 @@ def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
                 free.numa_failed_near = True
             elif avoid == Exclusive.NUMA:
                 free.numa_failed = True
-    raise error
+    raise error if error is not None else InsufficientCPUs("no CPUs")
 
 
 def _isolated_first(free: Free, avoid: str, n: int, anchor: CPUSet) -> list[int]:
@@ -166,7 +166,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)
     return _pick(topology, free.everything(key, counts), n, near, opts.policy, free.shy,
-                 free.level(counts))
+                 free.level(counts), free.classes(key, counts))
 
 
 def _spread(free: Free, key: str, cands: Mapping[Cell, Collection[int]],

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
+from typing import cast
 
 from cpuservice.model import near
 from cpuservice.model.cpuset import EMPTY, CPUSet
+from cpuservice.model.freeview import Classes
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Exclusive, NearPolicy, Options, Policy
 from cpuservice.model.topology import Topology
@@ -57,15 +59,18 @@ class Free:
         _, self.node_of, self.l3_of, self.core_of = topology.levels
         self.hide = hide.ids
         self.isolated = ledger.isolated.ids
-        self.shared = len(ledger.shared)
+        # the free CPUs per node, carried with the ledger (Ledger.free_view)
+        self.carried = ledger.free_view(topology)
+        self.shared = self.carried.shared
         self.min_shared = ledger.min_shared_cpus
-        # the allocatable shared CPUs and the free isolated ones (take replaces them)
-        self.free: frozenset[int] = (ledger.shared - ledger.reserved).ids
-        self.free_isolated: frozenset[int] = ledger.free_isolated.ids
+        # the allocatable shared CPUs and the free isolated ones (take replaces them), derived
+        # from the ledger when first asked for
+        self._free: frozenset[int] | None = None
+        self._free_isolated: frozenset[int] | None = None if self.carried.isolated else frozenset()
         # the cells views are kept in: a single choice needs only nodes
         self.groups = self.cells.cpus if steps else self.cells.nodes
         self.in_node = self.cells.in_node if steps else self.cells.node_in
-        self.rooms = {c: self.g - used for c, used in ledger.fragment_pieces.items()}
+        self._rooms: dict[int, int] | None = None
         self._fragments_in: dict[tuple[int, int], set[int]] | None = None
         self.used_cores: set[int] = set()
         self.used_nodes: set[int] = set()
@@ -89,13 +94,42 @@ class Free:
         self.locked: frozenset[int] = (keep.cpus.ids - self.mine) if keep.nodes else frozenset()
         self.soft = keep.soft
         self._shy: set[int] | None = None
-        self._takeable: frozenset[int] | None = ledger.takeable.ids
+        self._takeable: frozenset[int] | None = None
         # per key (see candidates): the candidates of every cell and their count per node (nodes
         # with any), brought up to date from the cells steps touched (_stale) when next looked at
         self._views: dict[str, View] = {}
         self._everything: dict[str, AbstractSet[int]] = {}  # of fresh views: all their candidates
         self._stale: dict[str, set[Cell]] = {}
         self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
+
+    @property
+    def rooms(self) -> dict[int, int]:
+        """Fragment CPU -> its free pieces (take updates them)."""
+        if self._rooms is None:
+            self._rooms = {c: self.g - used for c, used in self.ledger.fragment_pieces.items()}
+        return self._rooms
+
+    @property
+    def free(self) -> frozenset[int]:
+        """The allocatable shared CPUs (free, not reserved)."""
+        if self._free is None:
+            self._free = (self.ledger.shared - self.ledger.reserved).ids
+        return self._free
+
+    @free.setter
+    def free(self, cpus: frozenset[int]) -> None:
+        self._free = cpus
+
+    @property
+    def free_isolated(self) -> frozenset[int]:
+        """The free isolated CPUs."""
+        if self._free_isolated is None:
+            self._free_isolated = self.ledger.free_isolated.ids
+        return self._free_isolated
+
+    @free_isolated.setter
+    def free_isolated(self, cpus: frozenset[int]) -> None:
+        self._free_isolated = cpus
 
     def budget(self) -> int:
         """How many CPUs may still leave the shared pool (Ledger.shared_budget)."""
@@ -105,14 +139,28 @@ class Free:
         """The cores spread-pcpus allocations use (spread_cores), asked for only when they
         matter."""
         if self._shy is None:
-            self._shy = set(spread_cores(self.topology, self.ledger))
+            view = self.carried
+            if view.spread is None:  # carried on to the next ledgers from here
+                core_of, counts = self.core_of, dict[int, int]()
+                for a in self.ledger.bound.values():
+                    if a.request.options.policy == Policy.SPREAD_PCPUS:
+                        for c in a.whole:
+                            counts[core_of[c]] = counts.get(core_of[c], 0) + 1
+                view.spread = counts
+            if not self.steps:  # nothing changes it
+                return view.spread.keys()
+            self._shy = set(view.spread)
         return self._shy
 
     def takeable(self) -> frozenset[int]:
         """Ledger.takeable: the allocatable CPUs, only the free isolated ones when the shared
         pool is at its minimum."""
         if self._takeable is None:
-            self._takeable = self.free | self.free_isolated if self.budget() else self.free_isolated
+            if self._free is None:  # nothing taken yet: as the ledger has it
+                self._takeable = self.ledger.takeable.ids
+            else:
+                self._takeable = (self.free | self.free_isolated if self.budget()
+                                  else self.free_isolated)
         return self._takeable
 
     def candidates(self, key: str, within: frozenset[int] | None = None) -> AbstractSet[int]:
@@ -164,6 +212,12 @@ class Free:
 
     def view(self, key: str) -> View:
         """The candidates for ``key`` per cell, and their count per node."""
+        if key not in self._views and self._carries(key):
+            cells_, counts_ = (self.carried.whole_view() if self.opts.policy == Policy.FULL_PCPUS
+                               else (self.carried.cells, self.carried.counts))
+            # not copied: only steps (capacity) change a view
+            self._views[key] = cast(View, (cells_, counts_))
+            self._stale[key] = set()
         if key not in self._views:
             cands = self.candidates(key)
             if not self.steps:
@@ -187,6 +241,22 @@ class Free:
                 counts.pop(x, None)
         self._stale[key].clear()
         return cells, counts
+
+    def _carries(self, key: str) -> bool:
+        """The carried view (Ledger.free_view) is this key's view: one choice, no exclusivity,
+        no mark or subset, nothing hidden, no core kept for others (config keep_near), the
+        takeable CPUs the allocatable ones, cores in one node each (full-pcpus filters by core
+        per cell)."""
+        return (key == Exclusive.NONE and not self.steps and not self.hide and not self.locked
+                and self.budget() > 0 and self.cells.nested)
+
+    def classes(self, key: str, nodes: Collection[int]) -> Classes | None:
+        """pack's classes of everything(key, nodes), carried with the free view per node (one
+        node, packed, the carried view's key); None: pack classifies them itself."""
+        if (len(nodes) != 1 or self.opts.policy != Policy.PACKED or key not in self._views
+                or not self._carries(key)):
+            return None
+        return self.carried.classes(self.in_node[next(iter(nodes))][0])
 
     def everything(self, key: str, nodes: Collection[int]) -> Collection[int]:
         """The candidates for ``key`` in ``nodes`` (nodes with candidates)."""
@@ -244,6 +314,7 @@ class Free:
         """Hold ``whole`` and ``pieces`` of ``fragment`` (``fresh``: a CPU no fragment used) as
         one more allocation of these options would; only the cells touched are looked at
         again (needs Topology.cells.nested: a core in two cells would change both)."""
+        assert self.steps, "Free.take needs steps=True (views of one choice are shared)"
         taken = [*whole, fragment] if fresh and fragment is not None else whole
         had_budget = self.budget() > 0
         self.free = self.free.difference(taken)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Collection, Iterable
 from cpuservice.model.errors import (
     InsufficientCPUs,
 )
+from cpuservice.model.freeview import Classes, classify
 from cpuservice.model.request import (
     Policy,
 )
@@ -23,13 +24,14 @@ def _pick(
     policy: str,
     shy: Callable[[], Collection[int]] = frozenset,
     level: int = 0,
+    classes: Classes | None = None,
 ) -> list[int]:
     """``n`` of ``cands`` as ``policy`` takes them (``shy()``: the cores spread-pcpus
     allocations use, asked for only when they matter; ``level``: the candidates lie in one
     group of every level above it, e.g. 2 for one NUMA node of one socket)."""
     if policy != Policy.SPREAD_PCPUS:
         return pack(topology, cands, n, near, strict=policy == Policy.FULL_PCPUS, shy=shy,
-                    level=level)
+                    level=level, classes=classes)
     core_of = topology.levels[3]
     cores: dict[int, list[int]] = {}
     for c in cands:
@@ -63,6 +65,7 @@ def pack(
     strict: bool = False,
     shy: Callable[[], Collection[int]] = frozenset,
     level: int = 0,
+    classes: Classes | None = None,
 ) -> list[int]:
     """``n`` of ``cands``, packed without splitting a core that need not be split.
 
@@ -76,7 +79,7 @@ def pack(
     taken, then the same L3 group, then the same node), loose threads on ``shy()`` cores last
     within a rank; then single-thread cores; only then a thread of a wholly free core.
     ``strict`` (full-pcpus): never a thread of a core without the others: InsufficientCPUs when
-    whole cores cannot make ``n``.
+    whole cores cannot make ``n``. ``classes``: classify(topology, cands), when known.
     """
     if n <= 0:
         return []
@@ -84,20 +87,7 @@ def pack(
     if not strict and (tpc == 1 or n >= len(cands)):
         return _take(topology, cands, n, frozenset(near), level) if n < len(cands) else list(cands)
     core_of = topology.levels[3]
-    by_core: dict[int, list[int]] = {}
-    for c in cands:
-        by_core.setdefault(core_of[c], []).append(c)
-    wide: list[int] = []  # one thread of each wholly free core of tpc threads
-    single: list[int] = []  # wholly free cores of fewer online threads
-    loose: list[int] = []
-    size = topology.sizes[3]
-    for k, threads in by_core.items():
-        if len(threads) < size[k]:
-            loose += threads
-        elif len(threads) == tpc:
-            wide.append(min(threads))
-        else:
-            single += threads
+    by_core, wide, single, loose = classes or classify(topology, cands)
     out: list[int] = []
     k = min(n // tpc, len(wide))
     if k:
@@ -139,6 +129,7 @@ def pack(
             if not left:
                 return out
     sizes: dict[int, int] = {}
+    size = topology.sizes[3]
     for k, threads in by_core.items():
         if len(threads) == size[k]:
             sizes[len(threads)] = sizes.get(len(threads), 0) + 1
@@ -193,10 +184,19 @@ def _take(
     def fit(g: int) -> tuple[bool, int, int]:
         return (g not in near_groups, len(parts[g]), g)
 
+    whole_groups = topology.sizes[level]
+    if n >= 2 and len(parts) == len(cands):  # one candidate per group: none holds n
+        # what the loop below does then: whole groups (of one CPU) first, then the rest, each
+        # in order of fit
+        ranked = sorted(parts, key=fit)
+        firsts = [g for g in ranked if whole_groups[g] == 1][:n]
+        if len(firsts) < n:
+            chosen = set(firsts)
+            firsts += [g for g in ranked if g not in chosen][:n - len(firsts)]
+        return [parts[g][0] for g in firsts]
     fitting = [g for g in parts if len(parts[g]) >= n]
     if fitting:
         return _take(topology, parts[min(fitting, key=fit)], n, near, level + 1)
-    whole_groups = topology.sizes[level]
     out: list[int] = []
     rest = []
     for g in sorted(parts, key=fit):

@@ -59,7 +59,8 @@ def bound_cpus(
     if n <= len(keep):
         whole = CPUSet(_pick(topology, keep.ids, n, frozenset(), opts.policy))
     else:
-        whole = keep | CPUSet(choose.take_whole(free, n - len(keep), keep))
+        chosen = CPUSet._trusted(frozenset(choose.take_whole(free, n - len(keep), keep)))
+        whole = keep | chosen if keep else chosen  # CPUs of the topology: no check needed
     fragment = None
     pieces = int(request.fraction * ledger.granularity)
     if pieces:
@@ -74,8 +75,12 @@ def bound_cpus(
             cpu, _ = choose.take_fragment(free, pieces, whole.ids)
             fragment = Fragment(cpu, pieces)
     taken = whole | CPUSet((fragment.cpu,)) if fragment else whole
-    from_shared = len(taken & ledger.shared)
-    if from_shared > ledger.shared_budget:
+    # len(taken & ledger.shared), without deriving the shared pool (the view counts it)
+    online, isolated = ledger.online.ids, ledger.isolated.ids
+    exclusive, pieces_on = ledger.exclusive.ids, ledger.fragment_pieces
+    from_shared = sum(c in online and c not in isolated and c not in exclusive
+                      and c not in pieces_on for c in taken)
+    if from_shared > max(0, free.shared - ledger.min_shared_cpus):
         raise InsufficientCPUs(
             f"this would leave fewer than min_shared_cpus={ledger.min_shared_cpus} CPUs in the "
             f"shared pool ({len(ledger.shared)} now, {from_shared} needed from it)"

@@ -47,6 +47,7 @@ class Ask:
     request: Request
     limited: bool  # held to the per-user limits
     caller: int | None = None  # the D-Bus caller's uid, for the audit trail
+    force: bool = False  # past the admission guard (option force: root or manage)
     future: asyncio.Future[Allocation] = field(default_factory=lambda: (
         asyncio.get_running_loop().create_future()))
 
@@ -75,12 +76,18 @@ def take_group(waiting: list[Ask], limit: int = GROUP_MAX) -> list[Ask]:
     return group
 
 
+Guard = Callable[[int, str], None]  # (CPUs taken out of the shared pool, what): raises
+
+
 async def place(engine: Engine, state: State, ask: Ask, moves: MoveLog | None = None,
-                pending: Sequence[str] = ()) -> tuple[State, Allocation, tuple[Move, ...]]:
+                pending: Sequence[str] = (), guard: Guard | None = None,
+                ) -> tuple[State, Allocation, tuple[Move, ...]]:
     """``state`` with ``ask`` placed in it (not committed), or its error raised. A request
     refused only for fragmentation is placed after moving movable allocations (``moves``: how
     often each may still move; ``pending``: names already moved by this group), when a small
-    set of moves makes room (placement.repack); those moves are returned."""
+    set of moves makes room (placement.repack); those moves are returned. ``guard`` is asked
+    about what the request takes out of the shared pool (the admission guard), unless it
+    forces."""
     name, request = ask.name, ask.request
     if name in state.ledger.allocations:
         raise AllocationExists(f"allocation {name!r} already exists")
@@ -100,11 +107,14 @@ async def place(engine: Engine, state: State, ask: Ask, moves: MoveLog | None = 
         ledger, allocation, moved = found
     if ask.limited:
         limits.check(engine.config, state.records, ask.owner, name, ledger)
+    if guard is not None and not ask.force:
+        guard(len(state.ledger.shared) - len(ledger.shared), f"Allocate {name!r}")
     return State(ledger, records), allocation, moved
 
 
 async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = None,
-                 fresh: Callable[[str], None] = lambda name: None) -> list[Outcome]:
+                 fresh: Callable[[str], None] = lambda name: None,
+                 guard: Guard | None = None) -> list[Outcome]:
     """Under the lock: place ``asks`` in order, each on the ledger the ones before it leave,
     and commit those placed (and the moves that made room for them) as one change; the outcome
     of each (a placement error is that request's own). A failed commit is raised (and undone
@@ -116,7 +126,7 @@ async def commit(engine: Engine, asks: Sequence[Ask], moves: MoveLog | None = No
     pending: list[str] = []  # the allocations moved, once per move
     for ask in asks:
         try:
-            state, allocation, made = await place(engine, state, ask, moves, pending)
+            state, allocation, made = await place(engine, state, ask, moves, pending, guard)
         except Exception as exc:  # that request's own (a bug too: the others go on)
             if not isinstance(exc, CPUServiceError):
                 log.exception("placing allocation %s", ask.name)
@@ -157,6 +167,7 @@ class Admission:
         self._drain: asyncio.Task[None] | None = None
         self.groups = 0  # groups committed since the start
         self.order: list[Ask] | None = None  # tests: the asks in the order they were placed
+        self.guard: Guard | None = None  # the admission guard (the service's HostPressure)
 
     async def submit(self, ask: Ask) -> Allocation:
         """Queue ``ask`` and wait for its answer (its allocation, or its error raised)."""
@@ -196,7 +207,8 @@ class Admission:
                 self.order.extend(asks)
             if len(asks) > 1:
                 try:
-                    outcomes = await commit(self.engine, asks, self.moves, self.fresh)
+                    outcomes = await commit(self.engine, asks, self.moves, self.fresh,
+                                            self.guard)
                 except CPUServiceError as exc:
                     log.warning("committing %d allocations together failed (%s); committing "
                                 "them one at a time", len(asks), exc)
@@ -206,7 +218,8 @@ class Admission:
                     return
             for ask in asks:
                 try:
-                    outcomes = await commit(self.engine, [ask], self.moves, self.fresh)
+                    outcomes = await commit(self.engine, [ask], self.moves, self.fresh,
+                                            self.guard)
                 except CPUServiceError as exc:
                     outcomes = [(ask, exc)]
                 self.groups += 1

@@ -281,7 +281,13 @@ class Engine:
         alone."""
         before: dict[str, UnitSpec] = {}
         dead: list[str] = []
-        for unit, active in await self.systemd.list_units(OWN_PATTERNS):
+        for unit, active in await self.systemd.list_units((*OWN_PATTERNS, units.BORROW)):
+            if unit == units.BORROW:  # a transient slice of ours while a borrower exists
+                if active in ("active", "activating"):
+                    have = await self.systemd.get(unit, cgroup_iface(unit), units.OWN_PROPERTIES)
+                    have.update(await self.systemd.get(unit, UNIT_IFACE, ["Description"]))
+                    before[unit] = UnitSpec(units.observed_props(have), own=True)
+                continue
             if units.name_of_slice(unit) is None:
                 continue
             have = await self.systemd.get(unit, cgroup_iface(unit), units.OWN_PROPERTIES)

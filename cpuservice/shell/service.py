@@ -41,6 +41,7 @@ from cpuservice.placement.moves import Move
 from cpuservice.shell import lending, moving, nearwatch, publish, recovery
 from cpuservice.shell.admission import Admission, Ask
 from cpuservice.shell.engine import Engine, Snapshot
+from cpuservice.shell.host_pressure import HostPressure
 from cpuservice.shell.lending import Lending
 from cpuservice.shell.lifetime import Lifetime
 from cpuservice.shell.nrt_export import NrtExport
@@ -76,8 +77,10 @@ class Service:
         self.lending = Lending(engine, skip=self._releasing.__contains__)
         self.lending.identity = self.serial
         self.statistics = Statistics(engine)  # how each allocation fares (GetStatistics)
+        self.host = HostPressure(self.config.guard)  # the shared pool's pressure, the guard
+        self.admission.guard = self.host.check
         self.generation = 0  # changes committed since the start: the NRT export's generation
-        self._nrt = NrtExport(self.config.default_options)
+        self._nrt = NrtExport(self.config.default_options, self.devices.roots)
         engine.on_committed.append(self._count_commit)
 
     def _count_commit(self) -> None:
@@ -103,8 +106,7 @@ class Service:
 
     @events.setter
     def events(self, events: Events) -> None:
-        """Make ``events`` the one sink, replacing every subscribed one (tests); the daemon's
-        sinks subscribe()."""
+        """Make ``events`` the one sink, replacing every subscribed one (tests)."""
         self.engine.events.sinks[:] = [events]
 
     def subscribe(self, sink: Events) -> None:
@@ -148,8 +150,7 @@ class Service:
     def _not_releasing(self, name: str) -> None:
         """Under the lock: refuse a call about an allocation whose slice is being stopped."""
         if name in self._releasing:
-            raise InvalidArgument(f"allocation {name!r} is being released (its processes are "
-                                  "stopping)")
+            raise InvalidArgument(f"allocation {name!r} is being released (processes stopping)")
 
     def _same(self, name: str, serial: int | None) -> None:
         """Under the lock: ``name`` is still the allocation the caller was authorized for."""
@@ -193,9 +194,9 @@ class Service:
         """Learn what the host can do, recover (checkpoint, topology, systemd), then follow
         lifetime=unit allocations and the kernel's reports of partitions."""
         caps = await self.engine.detect_capabilities()
-        self.engine.capabilities = replace(caps, near=self.devices.kinds(),
-                                           devices=self.devices.inventory())
-        self._nrt.roots = self.devices.roots(self.engine.capabilities.devices)
+        self.engine.capabilities = replace(  # (guard_reason: after the guard's start)
+            caps, near=self.devices.kinds(), devices=self.devices.inventory(),
+            guard=self.host.start(), guard_reason=self.host.unavailable)
         await recovery.start(self.engine)
         await nearwatch.check(self.engine, self.devices)
         await self.lifetime.watch_all()
@@ -213,16 +214,17 @@ class Service:
 
     async def allocate(
         self, name: str, cpus: str, options: Mapping[str, Any], owner: int,
-        limited: bool = False,
+        limited: bool = False, force: bool = False,
     ) -> Allocation:
-        """``limited``: the owner is an unprivileged user, held to the per-user limits.
+        """``limited``: the owner is an unprivileged user, held to the per-user limits;
+        ``force``: past the admission guard.
         Requests that arrive while a change is in flight are committed together (see
         cpuservice.shell.admission); the answer is the one serial processing would give."""
         validate_name(name)
         units.check_unit_names(name)
         request = self.request(cpus, options)
         return await self.admission.submit(Ask(name, owner, request, limited,
-                                               journal.CALLER.get()))
+                                               journal.CALLER.get(), force))
 
     async def _follow(self, name: str, allocation: Allocation) -> None:
         """After an Allocate is committed: its identity, its unit followed, its load too when
@@ -296,8 +298,10 @@ class Service:
                     f"allocation {name!r} is a {partition_of(old)} partition: it needs a whole "
                     f"number of CPUs, not {cpus}")
             ledger, allocation = placement.resize(self.topology, self.ledger, name, amount)
-            if limited and amount > old.request.cpus:
+            if limited and amount > old.request.cpus:  # (the guard too: Resize has no force)
                 self.check_limits(self.record(name).owner, name, ledger)
+                self.host.check(len(self.ledger.shared) - len(ledger.shared), f"Resize {name!r}",
+                                "or ask root (not held to it)")
             await self.engine.apply(Change(
                 State(ledger, self.state.records), frozenset({name}),
                 {name: f"resized to {amount}"},

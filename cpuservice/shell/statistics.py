@@ -108,6 +108,7 @@ class Sampler:
         self.interval = interval
         self.on_sample = on_sample
         self.latest: Mapping[str, Figures] = {}
+        self.host: Mapping[str, Figures] = {}  # the shared pool's holders' (the daemon's)
         self.took: float | None = None  # seconds the last reading took
         self.sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
         self._task: asyncio.Task[None] | None = None

@@ -81,7 +81,9 @@ class PrivateSystemBus:
              fixture], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
         self._wait((tmp / "ready").exists, "the daemon did not start")
 
-    def _wait(self, done: Any, what: str, seconds: float = 30) -> None:
+    def _wait(self, done: Any, what: str, seconds: float = 120) -> None:
+        # (a bound on startup, not a measurement: at a load average of 15 the daemon's process
+        # took more than 30 s to import, start and populate)
         deadline = time.monotonic() + seconds
         while not done():
             if time.monotonic() > deadline or (getattr(self, "daemon", None) and

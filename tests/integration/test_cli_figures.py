@@ -64,3 +64,21 @@ def test_top_batch_and_json(svc: PrivateService, tmp_path: Path) -> None:  # noq
     assert len(docs) == 2
     assert [a["Name"] for a in docs[1]["allocations"]] == ["web", "batch"]
     assert docs[1]["allocations"][1]["PressureSomeAvg10"] is None
+
+
+def test_status_prints_the_shared_pools_pressure_and_the_guard(
+        svc: PrivateService, tmp_path: Path) -> None:  # noqa: F811
+    """GetHostPressure over the bus (issue 39, the host's side): the shared pool's holders'
+    figures read when asked, and the guard off by default."""
+    root = tmp_path / "cgroup"
+    svc.manager.service.host.root = root
+    unknown = svc.ctl("status").stdout
+    assert "Pressure:  cpuservice-shared.slice unknown; system.slice unknown" in unknown, unknown
+    assert "Guard:     off (admission_guard_percent = 0)" in unknown, unknown
+    write_cgroup(root, "/system.slice", {"cpu.pressure": PRESSURE, "cpu.stat": CPU_STAT})
+    out = svc.ctl("status").stdout
+    assert "system.slice some 12.50% 3.05% (avg10 avg60)" in out, out
+    js = json.loads(svc.ctl("status", "-j").stdout)["HostPressure"]
+    assert js["system.slice"]["cpu-pressure-some-total-usec"] > 0
+    assert js["admission-guard"]["enabled"] is False
+    assert "off" in js["admission-guard"]["unavailable"]

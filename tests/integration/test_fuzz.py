@@ -16,7 +16,10 @@ from tests.integration.service_env import ServiceHost
 from tests.integration.test_service import _check_consistent
 
 CALLS = 10_000
-SLOWEST_SECONDS = 1.0  # any one call, on this 2-core machine (bench-service measures the goal)
+# any one call: what the gate catches is a hostile call that holds the daemon for seconds (the
+# bug this guards took 66 s); the goal, 50 ms, is bench-service's worst_call_ms. A Revalidate
+# took 1.3 s on this 2-core machine at a load average of 15 (five test runs beside it)
+SLOWEST_SECONDS = 5.0
 NAMED = re.compile(r"org\.(cpuservice1\.Error|freedesktop\.DBus\.Error)\.[A-Za-z]+")
 WORDS = ["", "-", ".", "..", "../x", "a.service", "x\n", "ü", "名前", "a" * 64, "a" * 65,
          "b" * 100_000, "web", "db", "x y", "$(id)", "'", "\\x2d", "0", "x" * 5, "A-b_c.d"]

@@ -388,6 +388,40 @@ def test_lifetime_unit_with_unit_option(daemon: ServiceHost) -> None:
     eventually(lambda: "sl" not in allocations(daemon))
 
 
+def test_the_borrow_slice_exists_only_while_somebody_borrows(daemon: ServiceHost) -> None:
+    """Issue 40: no borrower, no borrow slice (a bound Allocate writes one holder of the shared
+    pool less); the first borrower starts it, transient, at idle priority, before its own slice;
+    the last one stops it. Real systemd: it takes CPUWeight=idle over D-Bus and starts the
+    borrower's slice inside the transient parent."""
+    def state(unit: str) -> dict[str, str]:
+        return daemon.show(unit, "ActiveState", "LoadState", "Transient", "CPUWeight",
+                           "AllowedCPUs", "ControlGroup")
+
+    daemon.configure("b")
+    borrow = "cpuservice-borrow.slice"
+    daemon.allocate("o", "2", bind=True)
+    assert state(borrow)["ActiveState"] == "inactive"
+    daemon.allocate("b", "1", borrow=True)
+    parent, child = state(borrow), state("cpuservice-borrow-b.slice")
+    shared = daemon.prop("SharedCPUs")
+    assert parent["ActiveState"] == "active" and parent["Transient"] == "yes", parent
+    assert parent["CPUWeight"] == "idle" and parent["AllowedCPUs"] == shared, parent
+    assert child["ActiveState"] == "active", child
+    assert child["ControlGroup"].startswith(parent["ControlGroup"] + "/"), (parent, child)
+    daemon.allocate("b2", "1", borrow=True)
+    daemon.call("Release", "s", "b")
+    assert state(borrow)["ActiveState"] == "active"
+    daemon.call("Release", "s", "b2")
+    assert state(borrow)["ActiveState"] == "inactive"
+    daemon.allocate("b3", "1", borrow=True)  # and again: nothing of the last one is in the way
+    assert state(borrow)["ActiveState"] == "active"
+    daemon.stop()
+    daemon.start()
+    assert state(borrow)["ActiveState"] == "active"
+    daemon.call("Release", "s", "b3")
+    assert state(borrow)["ActiveState"] == "inactive"
+
+
 def test_confine_host(daemon: ServiceHost) -> None:
     daemon.configure("a", confine_host=True)
     daemon.allocate("pin", "2", bind=True)

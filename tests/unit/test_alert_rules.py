@@ -69,6 +69,7 @@ def test_the_rules_read_what_the_daemon_writes() -> None:
     counters = metrics.Counters()
     text = metrics.render(t, State(Ledger(t.online), {}), counters, "0.1.0", (True, 1))
     text += figure_metrics.render({}, [])  # each allocation's figures and health (issue 39)
+    text += figure_metrics.render_host({}, True)  # the shared pool's, the admission guard
     written = set(re.findall(r"^# TYPE (\w+) ", text, re.M))
     expressions = re.findall(r"^\s+expr: (.*)$", RULES.read_text(), re.M)
     read = {name for e in expressions for name in re.findall(r"\b([a-z_]+)\{", e)

@@ -63,6 +63,7 @@ def test_an_owner_busy_from_the_start_lends_its_idle_cores_only(tmp_path: Path) 
         host = Host(tmp_path)
         svc = await host.service()
         await svc.allocate("o", "8", {**LEND, "policy": "full-pcpus"}, 1000)
+        await svc.allocate("b", "1", {"borrow": True}, 1000)
         idle_threads(host, svc, "o")
         owner = svc.ledger.allocations["o"].whole
         cores = sorted({min(svc.topology.siblings(c)) for c in owner})

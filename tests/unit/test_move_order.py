@@ -397,6 +397,9 @@ def test_a_restart_mid_move_lends_no_cpu_another_slice_still_holds(tmp_path: Pat
             ledger = ledger.with_allocation(Allocation(name, Request.parse(
                 str(len(held)), {"bind": True, "lend": lend, "movable": "anywhere"}), held))
             records[name] = Record(0, units.slice_name(name, True, "none"))
+        borrower = Allocation("b", Request.parse("1", {"borrow": True}), CPUSet())
+        ledger = ledger.with_allocation(borrower)
+        records["b"] = Record(0, units.slice_name("b", False, borrow=True))
         state = State(ledger, records)
         state = lending.with_lent(state, {"a1": ledger.allocations["a1"].whole})
         await svc.engine.apply(Change(state, None))

@@ -1,0 +1,248 @@
+"""The free CPUs per NUMA node, carried with the ledger from one change to the next (issue 40).
+
+A bound allocation's choice starts from the CPUs it may take per NUMA node (placement/free.py).
+Derived afresh from the ledger that costs a few passes over every CPU of the machine (held,
+shared, allocatable, then one intersection per node) on every call. A FreeView holds them per
+node cell (Topology.cells.nodes) for one ledger; Ledger.with_allocation and Ledger.without hand
+the next ledger a view updated in the cells the changed allocation's CPUs lie in, so a call
+looks at the CPUs it changes rather than at the machine. Pure; tests/unit/test_freeview.py
+checks that a carried view always equals one built from the ledger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Protocol
+
+from cpuservice.model.cpuset import CPUSet
+from cpuservice.model.topology import Cell, Topology
+
+# placement/pack.py's view of its candidates: by core, then wide, single and loose (classify)
+Classes = tuple[dict[int, list[int]], list[int], list[int], list[int]]
+SPREAD_PCPUS = "spread-pcpus"  # request.Policy.SPREAD_PCPUS (a StrEnum: equal to its value)
+
+
+class _Options(Protocol):
+    @property
+    def policy(self) -> str: ...
+
+
+class _Request(Protocol):
+    @property
+    def options(self) -> _Options: ...
+
+
+class _Fragment(Protocol):
+    @property
+    def cpu(self) -> int: ...
+
+
+class Allocation(Protocol):
+    """What the view reads of an allocation (pools.Allocation)."""
+
+    @property
+    def whole(self) -> CPUSet: ...
+    @property
+    def fragment(self) -> _Fragment | None: ...
+    @property
+    def held(self) -> CPUSet: ...
+    @property
+    def request(self) -> _Request: ...
+
+
+class Ledger(Protocol):
+    """What the view reads of a ledger (pools.Ledger, which imports this module)."""
+
+    @property
+    def online(self) -> CPUSet: ...
+    @property
+    def reserved(self) -> CPUSet: ...
+    @property
+    def isolated(self) -> CPUSet: ...
+    @property
+    def exclusive(self) -> CPUSet: ...
+    @property
+    def fragment_pieces(self) -> Mapping[int, int]: ...
+    @property
+    def allocatable(self) -> CPUSet: ...
+    @property
+    def shared(self) -> CPUSet: ...
+    @property
+    def free_isolated(self) -> CPUSet: ...
+
+
+class FreeView:
+    """For one ledger and topology: ``cells``, node cell -> its allocatable CPUs (free shared
+    CPUs that are not reserved, and free isolated ones: Ledger.allocatable); ``counts``, node
+    -> their number (nodes with any); ``shared``, the size of the shared pool; ``isolated``, the
+    number of free isolated CPUs. ``whole(cell)``: the CPUs of a cell on cores all of whose
+    threads (online or not) are allocatable, computed when first asked for."""
+
+    __slots__ = ("_classes", "_whole", "_whole_counts", "cells", "counts", "isolated", "shared",
+                 "spread", "topology")
+
+    def __init__(self, topology: Topology, cells: dict[Cell, frozenset[int]],
+                 counts: dict[int, int], shared: int, isolated: int) -> None:
+        self.topology = topology
+        self.cells = cells
+        self.counts = counts
+        self.shared = shared
+        self.isolated = isolated
+        self._whole: dict[Cell, frozenset[int]] = {}
+        self._whole_counts: dict[int, int] | None = None
+        self._classes: dict[Cell, Classes] = {}  # classify of a cell, when asked
+        # core -> how many of its threads spread-pcpus allocations hold (placement/free.py
+        # spread_cores), filled in by the first choice that asks
+        self.spread: dict[int, int] | None = None
+
+    @classmethod
+    def build(cls, topology: Topology, ledger: Ledger) -> FreeView:
+        """The view of ``ledger``, derived from its pools."""
+        free = ledger.allocatable.ids
+        cells = {cell: free & cpus for cell, cpus in topology.cells.nodes.items()}
+        counts: dict[int, int] = {}
+        for (x, _), cs in cells.items():
+            if cs:
+                counts[x] = counts.get(x, 0) + len(cs)
+        return cls(topology, cells, counts, len(ledger.shared), len(ledger.free_isolated))
+
+    def whole(self, cell: Cell) -> frozenset[int]:
+        """The CPUs of ``cell`` whose core is wholly allocatable (cores lie in one cell:
+        Topology.cells.nested)."""
+        out = self._whole.get(cell)
+        if out is None:
+            cpus = self.cells[cell]
+            core_of, size = self.topology.levels[3], self.topology.core_size
+            counts: dict[int, int] = {}
+            for c in cpus:
+                counts[core_of[c]] = counts.get(core_of[c], 0) + 1
+            out = self._whole[cell] = frozenset(
+                c for c in cpus if counts[core_of[c]] == size[core_of[c]])
+        return out
+
+    def classes(self, cell: Cell) -> Classes:
+        """classify of the cell's CPUs, computed when first asked for (kept with the view:
+        pack does not change them)."""
+        out = self._classes.get(cell)
+        if out is None:
+            out = self._classes[cell] = classify(self.topology, self.cells[cell])
+        return out
+
+    def whole_view(self) -> tuple[dict[Cell, frozenset[int]], dict[int, int]]:
+        """whole() of every cell, and their number per node (nodes with any)."""
+        cells = {cell: self.whole(cell) for cell in self.cells}
+        if self._whole_counts is None:
+            counts: dict[int, int] = {}
+            for (x, _), cs in cells.items():
+                if cs:
+                    counts[x] = counts.get(x, 0) + len(cs)
+            self._whole_counts = counts
+        return cells, self._whole_counts
+
+    def after(self, old: Ledger, new: Ledger, gone: Allocation | None,
+              added: Allocation | None) -> FreeView:
+        """The view of ``new``: ``old`` (this view's ledger) without the bound allocation
+        ``gone`` and with the bound allocation ``added`` (either may be None). ``new`` must know
+        its exclusive CPUs and fragment pieces (Ledger._with carries them)."""
+        leave: list[int] = []  # CPUs no longer free
+        back: list[int] = []  # CPUs free again
+        if gone is None and added is not None:  # the common cases first: one allocation
+            leave += added.whole.ids
+            if added.fragment and added.fragment.cpu not in old.fragment_pieces:
+                leave.append(added.fragment.cpu)
+        elif added is None and gone is not None:
+            back += gone.whole.ids
+            if gone.fragment and gone.fragment.cpu not in new.fragment_pieces:
+                back.append(gone.fragment.cpu)
+        else:  # one replaced by another (resize, repair): ask both ledgers
+            old_x, old_f = old.exclusive.ids, old.fragment_pieces
+            new_x, new_f = new.exclusive.ids, new.fragment_pieces
+            for c in {c for a in (gone, added) if a is not None for c in a.held}:
+                was = c not in old_x and c not in old_f
+                if was != (c not in new_x and c not in new_f):
+                    (back if not was else leave).append(c)
+        online, reserved, isolated = old.online.ids, old.reserved.ids, old.isolated.ids
+        shared, free_isolated = self.shared, self.isolated
+        node_of = self.topology.levels[1]
+        moved: dict[int, tuple[list[int], list[int]]] = {}
+        for cpus, sign, i in ((leave, -1, 0), (back, 1, 1)):
+            for c in cpus:
+                if c not in online:
+                    continue
+                if c in isolated:
+                    free_isolated += sign * (c not in reserved)
+                else:
+                    shared += sign
+                if c not in reserved:  # Ledger.allocatable (free_isolated has no reserved CPU)
+                    moved.setdefault(node_of[c], ([], []))[i].append(c)
+        spread = self._spread_after(gone, added)
+        if not moved:
+            view = FreeView(self.topology, self.cells, self.counts, shared, free_isolated)
+            view._whole, view._whole_counts, view.spread = self._whole, self._whole_counts, spread
+            view._classes = self._classes
+            return view
+        cells = dict(self.cells)
+        counts = dict(self.counts)
+        whole = dict(self._whole)
+        classes = dict(self._classes)
+        reorder = False
+        for x, (out, into) in moved.items():
+            cell = (x, -1)
+            before = cells[cell]
+            now = before.difference(out).union(into) if into else before.difference(out)
+            left = counts.get(x, 0) - len(before) + len(now)
+            cells[cell] = now
+            if left:
+                reorder |= x not in counts
+                counts[x] = left
+            else:
+                counts.pop(x, None)
+            whole.pop(cell, None)
+            classes.pop(cell, None)
+        if reorder:  # nodes in the order a fresh view lists them
+            counts = {x: counts[x] for x in sorted(counts)}
+        view = FreeView(self.topology, cells, counts, shared, free_isolated)
+        view._whole, view.spread, view._classes = whole, spread, classes
+        return view
+
+    def _spread_after(self, gone: Allocation | None, added: Allocation | None
+                      ) -> dict[int, int] | None:
+        """``spread`` less ``gone``'s and plus ``added``'s threads, where they are
+        spread-pcpus allocations."""
+        if self.spread is None:
+            return None
+        changed = [(a, sign) for a, sign in ((gone, -1), (added, 1))
+                   if a is not None and a.request.options.policy == SPREAD_PCPUS]
+        if not changed:
+            return self.spread
+        spread = dict(self.spread)
+        core_of = self.topology.levels[3]
+        for a, sign in changed:
+            for c in a.whole.ids:
+                left = spread.get(core_of[c], 0) + sign
+                if left:
+                    spread[core_of[c]] = left
+                else:
+                    del spread[core_of[c]]
+        return spread
+
+
+def classify(topology: Topology, cands: Collection[int]) -> Classes:
+    """The candidates by core; one thread of each wholly free core of threads_per_core
+    threads; the threads of wholly free cores of fewer online threads; the free threads of
+    partly free cores (pack's classes, which the free view carries per node)."""
+    core_of, size, tpc = topology.levels[3], topology.sizes[3], topology.threads_per_core
+    by_core: dict[int, list[int]] = {}
+    for c in cands:
+        by_core.setdefault(core_of[c], []).append(c)
+    wide: list[int] = []
+    single: list[int] = []
+    loose: list[int] = []
+    for k, threads in by_core.items():
+        if len(threads) < size[k]:
+            loose += threads
+        elif len(threads) == tpc:
+            wide.append(min(threads))
+        else:
+            single += threads
+    return by_core, wide, single, loose
