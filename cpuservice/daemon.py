@@ -24,11 +24,13 @@ from cpuservice.bus.api import BUS_NAME, Bus, Manager, capture_sender
 from cpuservice.host import figure_metrics, journal, metrics, notify
 from cpuservice.host.authz import Authority
 from cpuservice.host.checkpoint import Store
+from cpuservice.host.devices import Resolver
 from cpuservice.host.hotplug import CPUMonitor, Debouncer
 from cpuservice.host.irqs import Kernel
 from cpuservice.host.sysfs import discover
 from cpuservice.host.systemd import Systemd
-from cpuservice.model import config
+from cpuservice.model import config, keep
+from cpuservice.model.topology import Topology
 from cpuservice.shell.engine import Engine
 from cpuservice.shell.health import HealthMonitor
 from cpuservice.shell.lifetime import Lifetime
@@ -45,7 +47,8 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
              kernel: KernelAPI | None = None) -> Service:
     """Wire the service's parts together: the engine (state, checkpoint, reconcile), the
     lifetime=unit watcher on systemd's signals, and the use cases."""
-    engine = Engine(cfg, systemd, store, discover(cfg.sysfs_root), kernel)
+    topology = discover(cfg.sysfs_root)
+    engine = Engine(cfg, systemd, store, topology, kernel, kept_cores(cfg, topology))
     lifetime = Lifetime(engine)
     service = Service(engine, lifetime)
     lifetime.release = service.release
@@ -54,6 +57,18 @@ def assemble(cfg: config.Config, systemd: SystemdAPI, store: Store,
     systemd.on_unit_new = lifetime.on_unit_new
     systemd.on_unit_state = lifetime.on_unit_state
     return service
+
+
+def kept_cores(cfg: config.Config, topology: Topology) -> keep.Keep:
+    """The cores kept next to the devices the configuration's [[keep_near]] rules match."""
+    rules = cfg.keep_rules
+    if not rules:
+        return keep.Keep((), cfg.keep_near_others)
+    inventory = Resolver(cfg.sysfs_root, cfg.procfs_root).inventory()
+    found = keep.plan(topology, cfg.reserved, rules, inventory, cfg.keep_near_others)
+    for line in keep.describe(found) or ["no device matches keep_near: no core is kept"]:
+        log.info("keep_near (others: %s): %s", found.others, line)
+    return found
 
 
 def metrics_file(cfg: config.Config, service: Service,

@@ -140,6 +140,27 @@ def _check_run(args: Sequence[str]) -> None:
                               + REFUSED["--cpuset-cpus"])
 
 
+def devices(command: Sequence[str]) -> list[str]:
+    """The host paths of the devices a ``podman run`` command passes in (``--device
+    /dev/X[:CONTAINER-PATH[:rwm]]``), each once, in order: what ``cpuservice-run
+    --near-from-devices`` names in option near. Only ``/dev`` paths; CDI names
+    (``nvidia.com/gpu=0``) and ``--gpus`` are not derived (name those with --near). Like
+    the refusals above, an option is recognised anywhere after ``run``. PodmanUsage when
+    ``command`` is no podman run."""
+    at = run_index(command)
+    if at is None:
+        raise PodmanUsage("--near-from-devices needs a podman run command (its --device "
+                          "options name the devices)")
+    args = command[at + 1:]
+    out: list[str] = []
+    for i in range(len(args)):
+        value, _ = _value(args, i, "--device")
+        host = (value or "").split(":", 1)[0]
+        if host.startswith("/dev/") and host not in out:
+            out.append(host)
+    return out
+
+
 def with_slice(command: Sequence[str], slice_unit: str) -> list[str]:
     """``command`` with the allocation's slice given to podman run (unchanged when it is not
     a podman run)."""

@@ -71,7 +71,7 @@ OWN_VALUE = {"--cpus", "--policy", "--exclusive", "--numa-strategy", "--numa-ali
 # Allocate-only options cpuservice-run takes too (unit and lifetime are its own to choose)
 RUN_ALLOCATE = ("lend", "borrow", "near-irqs")
 OWN_FLAGS = {"--bind", "--memory-nodes", *(f"--{key}" for key in RUN_ALLOCATE), "--service",
-             "--scope", "--no-ask-password", "--help", "--version"}
+             "--scope", "--no-ask-password", "--near-from-devices", "--help", "--version"}
 
 
 class Usage(Exception):
@@ -108,8 +108,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ask-password", action="store_true",
                    help="do not ask for a password when polkit wants one")
     p.add_argument("--bus-address", help="D-Bus address instead of the system bus")
+    p.add_argument("--near-from-devices", action="store_true",
+                   help="place next to the devices a podman run command passes in with "
+                        "--device /dev/X (added to --near)")
     p.add_argument("--version", action="version", version=__version__)
     return p
+
+
+def near_from_devices(args: argparse.Namespace, command: Sequence[str]) -> None:
+    """``args.near`` with the host devices of a podman run's --device options added
+    (--near-from-devices); Usage when there is none to add."""
+    if not args.near_from_devices:
+        return
+    try:
+        found = podman.devices(command)
+    except podman.PodmanUsage as exc:
+        raise Usage(str(exc)) from None
+    if not found:
+        raise Usage("--near-from-devices: the podman run command passes no --device /dev/...")
+    given = ",".join(args.near or []).split(",")  # --near repeats, each comma-separated
+    args.near = [*(args.near or []), *(d for d in found if d not in given)]
 
 
 @dataclass
@@ -283,7 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         podman.run_index(line.command, root=os.geteuid() == 0 and not _other_user(line),
                          env={**os.environ, **_setenv(line)})
-    except podman.PodmanUsage as exc:
+        near_from_devices(args, line.command)
+    except (podman.PodmanUsage, Usage) as exc:
         print(f"cpuservice-run: {exc}", file=sys.stderr)
         return EXIT_WRAPPER
     try:

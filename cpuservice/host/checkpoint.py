@@ -80,7 +80,7 @@ def from_payload(payload: Mapping[str, Any], ledger: Ledger) -> State:
         raise CheckpointError(f"bad allocation in checkpoint: {exc}") from None
     ledger = Ledger(ledger.online, ledger.reserved, ledger.isolated,
                     int(payload.get("granularity", ledger.granularity)), ledger.min_shared_cpus,
-                    MappingProxyType(allocations))
+                    MappingProxyType(allocations), keep=ledger.keep)
     _consistent(ledger)
     return State(ledger, records)
 

@@ -34,6 +34,7 @@ MAX_DEPTH = 32  # directories up a device's path
 MAX_GPUS = 256  # entries of /proc/driver/nvidia/gpus looked at
 MAX_CLASSES = 256  # entries of /sys/class looked at
 _NVIDIA = re.compile(r"/dev/nvidia([0-9]{1,3})")
+_ROOT = re.compile(r"pci[0-9a-f]{4,8}:[0-9a-f]{2}")
 _MINOR = re.compile(r"^Device Minor:\s*([0-9]+)\s*$", re.M)
 
 # a /dev node's (kind, major, minor); LookupError saying why when it has none
@@ -100,6 +101,21 @@ class Resolver:
                                self.sys / "bus/pci/devices" / address)
             out.append(found)
         return tuple(out)
+
+    def roots(self, devices: tuple[Device, ...]) -> dict[str, str]:
+        """PCI address -> its PCIe root complex (``pci0000:3a``: the directory under
+        /sys/devices its path starts with, as DRA's ``pcieRoot`` names it), for ``devices``
+        whose path has one."""
+        out: dict[str, str] = {}
+        for d in devices:
+            if not d.address or d.address in out:
+                continue
+            real = Path(os.path.realpath(self.sys / "bus/pci/devices" / d.address))
+            if real.is_relative_to(self.top) and real != self.top:
+                root = real.relative_to(self.top).parts[0]
+                if _ROOT.fullmatch(root):
+                    out[d.address] = root
+        return out
 
     # ---- resolving ----
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, StrictStr, confloat, conint
 
-from cpuservice.model import compat
+from cpuservice.model import compat, keep
 from cpuservice.model.cpuset import CPUSet, CPUSetError
 from cpuservice.model.errors import InvalidArgument
 from cpuservice.model.health import Limits
@@ -93,6 +93,9 @@ class Config(compat.StrictModel):
     lend_idle_percent: conint(strict=True, ge=1, le=99) = 5  # type: ignore[valid-type]
     lend_idle_seconds: confloat(ge=0.0, le=3600.0) = 2.0  # type: ignore[valid-type]
     lend_sample_ms: conint(strict=True, ge=10, le=1000) = 50  # type: ignore[valid-type]
+    # whole cores kept next to devices for the allocations naming them (cpuservice.model.keep)
+    keep_near: list[dict[str, Any]] = Field(default_factory=list)
+    keep_near_others: Literal["never", "when-full"] = "never"
     defaults: dict[str, Any] = Field(default_factory=dict)
 
     def cpu_limit(self, online: int) -> Decimal | None:
@@ -118,6 +121,10 @@ class Config(compat.StrictModel):
     @property
     def reserved(self) -> CPUSet:
         return CPUSet.parse(self.reserved_cpus)
+
+    @property
+    def keep_rules(self) -> tuple[keep.Rule, ...]:
+        return keep.rules(self.keep_near)
 
     @property
     def default_options(self) -> Options:
@@ -202,6 +209,10 @@ def validate(data: dict[str, Any], source: str = "config") -> Config:
         config.reserved  # noqa: B018 - validates the cpu list
     except CPUSetError as exc:
         raise ConfigError(f"{source}: reserved_cpus: {exc}") from None
+    try:
+        config.keep_rules  # noqa: B018 - validates the [[keep_near]] entries
+    except keep.RuleError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     _check_state_file(config.state_file, source)
     limit_text = config.max_cpus_per_user
     if limit_text.endswith("%") and Decimal(limit_text[:-1]) > 100:

@@ -14,7 +14,13 @@ What is published (consumers read only zones of type Node, named node-<N>, and p
   of its meminfo, when read: cpuservice hands out no memory, so all three are that) and
   ``cpuservice.io/fragment-pieces`` (capacity and allocatable: the pieces of its fragment CPUs;
   available: those still free); attributes name its CPU sets (cpus, shared, reserved,
-  isolated, exclusive, fragment) and memory nodes;
+  isolated, exclusive, fragment) and memory nodes, its node as ``resource.kubernetes.io/numaNode``
+  (the name DRA drivers such as dra-driver-cpu give a device's NUMA node), and where the
+  service knows devices there (the ones option near can name): ``cpuservice.io/devices``
+  (``NAME=PCI-ADDRESS``, comma-separated), their PCIe root complexes as
+  ``resource.kubernetes.io/pcieRoot`` (``pci0000:3a``, comma-separated: DRA's list of strings
+  as one NRT string) and the cores kept next to them (``cpuservice.io/kept-cpus``, config
+  keep_near); devices without a NUMA node are listed at the top level instead;
 - a zone per L3 group (type L3Cache, ``parent`` its node; a group split by NUMA nodes, as with
   sub-NUMA clustering, is one zone per node: ``l3-K-node-N``) with its ``cpu`` (its available
   CPUs: its part of its node's, so that the L3 zones of a node add up to it) and its CPUs;
@@ -27,12 +33,14 @@ What is published (consumers read only zones of type Node, named node-<N>, and p
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from cpuservice.model.alignment import misalignment
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InvalidArgument
+from cpuservice.model.near import Device
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import NumaAlignment, Options, parse_options
 from cpuservice.model.topology import Topology
@@ -40,6 +48,7 @@ from cpuservice.model.topology import Topology
 API_VERSION = "topology.node.k8s.io/v1alpha2"
 KIND = "NodeResourceTopology"
 PREFIX = "cpuservice.io/"
+K8S = "resource.kubernetes.io/"  # the standard attributes' prefix (DRA's numaNode, pcieRoot)
 NODE_ZONE = "Node"
 L3_ZONE = "L3Cache"
 SCOPE = "container"
@@ -127,8 +136,25 @@ def _node_cpus(topology: Topology, nodes: list[int]) -> dict[int, CPUSet]:
     return {n: CPUSet(cpus) for n, cpus in by_node.items()}
 
 
+def _device_attrs(node: int, devices: Iterable[Device], roots: Mapping[str, str],
+                  ledger: Ledger) -> list[tuple[str, object]]:
+    """A Node zone's device attributes (none where no device is known there)."""
+    here = [d for d in devices if d.node == node]
+    out: list[tuple[str, object]] = []
+    if here:
+        out.append((f"{PREFIX}devices", ",".join(f"{d.name}={d.address}" for d in here)))
+        found = sorted({roots[d.address] for d in here if roots.get(d.address)})
+        if found:
+            out.append((f"{K8S}pcieRoot", ",".join(found)))
+    kept = ledger.keep.at(node)
+    if kept is not None:
+        out.append((f"{PREFIX}kept-cpus", kept.cpus.format()))
+    return out
+
+
 def _node_zone(topology: Topology, ledger: Ledger, node: int, nodes: list[int], cpus: CPUSet,
-               share: int) -> dict[str, Any]:
+               share: int, devices: tuple[Device, ...] = (),
+               roots: Mapping[str, str] = MappingProxyType({})) -> dict[str, Any]:
     g = ledger.granularity
     fragment = ledger.fragment & cpus
     resources = [_cpu(ledger, cpus, share)]
@@ -151,6 +177,8 @@ def _node_zone(topology: Topology, ledger: Ledger, node: int, nodes: list[int], 
             (f"{PREFIX}fragment-cpus", fragment.format()),
             (f"{PREFIX}memory-nodes", topology.node_set(cpus).format() if cpus
              else (CPUSet([node]) if node in topology.memory_only_nodes else CPUSet()).format()),
+            (f"{K8S}numaNode", node),
+            *_device_attrs(node, devices, roots, ledger),
         ]),
         "resources": resources,
     }
@@ -180,9 +208,12 @@ def _l3_zones(topology: Topology, ledger: Ledger, node_shares: dict[int, int]
 
 
 def export(topology: Topology, ledger: Ledger, name: str, generation: int,
-           defaults: Options | None = None) -> dict[str, Any]:
+           defaults: Options | None = None, devices: tuple[Device, ...] = (),
+           roots: Mapping[str, str] = MappingProxyType({})) -> dict[str, Any]:
     """The NodeResourceTopology object of this machine now (see the module docstring);
-    ``defaults``: the options a request gets unless it names others (the configuration's)."""
+    ``defaults``: the options a request gets unless it names others (the configuration's);
+    ``devices``: the devices option near can name here, ``roots``: PCI address -> the PCIe
+    root complex of each (as the daemon found them at startup)."""
     node_name(name)
     defaults = defaults or parse_options({})
     policy = defaults.numa_alignment
@@ -193,13 +224,14 @@ def export(topology: Topology, ledger: Ledger, name: str, generation: int,
     bound = [a for a in ledger.bound.values()]
     aligned = sum(1 for a in bound if not misalignment(topology, a))
     together = policy == NumaAlignment.SINGLE_NUMA_NODE and defaults.memory_nodes
+    nowhere = [d for d in devices if d.node not in nodes]
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": {"name": name},
         "topologyPolicies": [_LEGACY[policy]],
-        "zones": [*(_node_zone(topology, ledger, n, nodes, node_cpus[n], shares[n])
-                    for n in nodes),
+        "zones": [*(_node_zone(topology, ledger, n, nodes, node_cpus[n], shares[n], devices,
+                               roots) for n in nodes),
                   *_l3_zones(topology, ledger, shares)],
         "attributes": _attrs([
             ("topologyManagerPolicy", policy.value),
@@ -212,5 +244,7 @@ def export(topology: Topology, ledger: Ledger, name: str, generation: int,
             (f"{PREFIX}allocations", len(ledger.allocations)),
             (f"{PREFIX}bound-allocations", len(bound)),
             (f"{PREFIX}aligned-allocations", aligned),
+            *([(f"{PREFIX}devices-without-numa-node", ",".join(
+                f"{d.name}={d.address}" for d in nowhere))] if nowhere else []),
         ]),
     }

@@ -15,6 +15,7 @@ from types import MappingProxyType
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.freeview import FreeView
+from cpuservice.model.keep import NO_KEEP, Keep
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
 
@@ -64,6 +65,7 @@ class Ledger:
     bound: Mapping[str, Allocation] = field(
         default_factory=lambda: MappingProxyType({}), compare=False, repr=False
     )
+    keep: Keep = NO_KEEP  # cores kept next to devices for their users (cpuservice.model.keep)
 
     def __post_init__(self) -> None:
         """``bound`` (the bound allocations) is derived; with_allocation/without keep it up to
@@ -171,7 +173,8 @@ class Ledger:
         new.__dict__.update(  # the fields, as a frozen dataclass keeps them
             online=known["online"], reserved=known["reserved"], isolated=known["isolated"],
             granularity=known["granularity"], min_shared_cpus=known["min_shared_cpus"],
-            allocations=MappingProxyType(allocations), bound=MappingProxyType(bound))
+            allocations=MappingProxyType(allocations), bound=MappingProxyType(bound),
+            keep=known["keep"])
         if "borrowers" in known:
             new.__dict__["borrowers"] = known["borrowers"] + borrowers
         if "exclusive" in known:

@@ -68,7 +68,10 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
         # every fragment CPU and fresh CPU in the end, as without it
         only = near.near_cpus(topology, request.devices) \
             if request.options.near_policy == NearPolicy.REQUIRED and request.devices else None
-        return _fragment_capacity(ledger, pieces, only.ids if only is not None else None)
+        # cores kept for others' devices: never counted, or (when-full) in the end as well
+        avoid = ledger.keep.locked(request.devices) if not ledger.keep.soft else None
+        return _fragment_capacity(ledger, pieces, only.ids if only is not None else None,
+                                  avoid.ids if avoid else None)
     free = Free(topology, ledger, request.options, steps=True)
     # free isolated CPUs are taken first (take_whole): which ones each allocation takes
     # decides what is left, so the closed form waits until the steps have used them up
@@ -116,13 +119,18 @@ def _rest(free: Free, request: Request) -> int | None:
         return None
     if free.near is not None and not free.near_required:
         return None  # preferred: next to the devices first, then elsewhere
+    if free.mine or (free.soft and free.locked):
+        return None  # kept cores: their own first, or others' when nothing else fits
     avoid = Exclusive.PCPU if opts.exclusive == Exclusive.NUMA else opts.exclusive
     only = free.near
     view, _ = free.view(avoid if only is None else avoid + NEAR)
     cands = {x: [c for cell in cells for c in view[cell]]
              for x, cells in free.cells.in_node.items()}
-    shared = len(free.free if only is None else free.free & only)
-    isolated = len(free.free_isolated if only is None else free.free_isolated & only)
+    shared = len(free.free if only is None else free.free & only) - len(
+        free.locked & free.free if only is None else free.locked & free.free & only)
+    isolated = len(free.free_isolated if only is None else free.free_isolated & only) - len(
+        free.locked & free.free_isolated if only is None
+        else free.locked & free.free_isolated & only)
     return _unit_capacity(free.topology, free.ledger, request, avoid, cands, shared, isolated,
                           free.budget())
 

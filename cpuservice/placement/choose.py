@@ -23,7 +23,7 @@ from cpuservice.model.request import (
     Options,
     Policy,
 )
-from cpuservice.placement.free import FAR, NEAR, Cell, Free
+from cpuservice.placement.free import ANY, FAR, LOCKED, MINE, NEAR, NOT_MINE, Cell, Free
 from cpuservice.placement.nodes import _nodes_for, _quotas
 from cpuservice.placement.pack import _pick, _take, pack, whole_core_step
 
@@ -40,25 +40,58 @@ def attempts(opts: Options) -> tuple[Exclusive, ...]:
 def take_whole(free: Free, n: int, anchor: CPUSet = EMPTY) -> list[int]:
     """``n`` more whole CPUs for a bound allocation that already holds ``anchor`` (hidden from
     ``free``'s candidates). With option near, first (near-policy preferred) or only (required)
-    among the CPUs next to its devices."""
+    among the CPUs next to its devices. Cores kept next to devices (cpuservice.model.keep):
+    those kept for its own devices first; those kept for others never, or (when-full) only
+    for what nothing else holds."""
+    if n <= 0:
+        return []
+    if free.mine:
+        with contextlib.suppress(InsufficientCPUs):
+            return _first(free, n, anchor, MINE, NOT_MINE)
+    try:
+        return _near_whole(free, n, anchor, "")
+    except InsufficientCPUs:
+        if not (free.soft and free.locked):
+            raise
+    try:  # when-full: the kept cores only for what nothing else holds
+        return _first(free, n, anchor, "", LOCKED)
+    except InsufficientCPUs:
+        return _near_whole(free, n, anchor, ANY)
+
+
+def _first(free: Free, n: int, anchor: CPUSet, first: str, then: str) -> list[int]:
+    """As many of ``n`` as the candidates marked ``first`` hold (in whole cores for
+    full-pcpus), the rest among those marked ``then``."""
+    step = whole_core_step(free.topology) if free.opts.policy == Policy.FULL_PCPUS else 1
+    only = NEAR if free.near is not None and free.near_required else ""
+    room = sum(free.view(attempts(free.opts)[-1] + only + first)[1].values())
+    k = min(room, n) // step * step
+    if k >= n:
+        return _near_whole(free, n, anchor, first)
+    part = _near_whole(free, k, anchor, first) if k > 0 else []
+    return part + _near_whole(free, n - k, anchor | CPUSet(part), then)
+
+
+def _near_whole(free: Free, n: int, anchor: CPUSet, marks: str) -> list[int]:
+    """take_whole's choice for option near, among the candidates ``marks`` leave."""
     if n <= 0:
         return []
     if free.near is None:
-        return _take_whole(free, n, anchor, "")
+        return _take_whole(free, n, anchor, marks)
     try:
-        return _take_whole(free, n, anchor, NEAR)
+        return _take_whole(free, n, anchor, NEAR + marks)
     except InsufficientCPUs as exc:
         if free.near_required:
             raise InsufficientCPUs(f"{refusal(free)}: {exc}") from None
     # preferred: as many as fit next to the devices, the rest elsewhere
     step = whole_core_step(free.topology) if free.opts.policy == Policy.FULL_PCPUS else 1
-    room = sum(free.view(attempts(free.opts)[-1] + NEAR)[1].values())
+    room = sum(free.view(attempts(free.opts)[-1] + NEAR + marks)[1].values())
     k = min(room, n - 1) // step * step
     if k > 0:
         with contextlib.suppress(InsufficientCPUs):
-            part = _take_whole(free, k, anchor, NEAR)
-            return part + _take_whole(free, n - k, anchor | CPUSet(part), FAR)
-    return _take_whole(free, n, anchor, "")
+            part = _take_whole(free, k, anchor, NEAR + marks)
+            return part + _take_whole(free, n - k, anchor | CPUSet(part), FAR + marks)
+    return _take_whole(free, n, anchor, marks)
 
 
 def refusal(free: Free) -> str:
@@ -70,17 +103,21 @@ def refusal(free: Free) -> str:
 
 def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
     error: InsufficientCPUs | None = None
-    # a restricted (NEAR) try of near-policy preferred finds its own exclusive=numa failures
+    # a restricted (NEAR) try of near-policy preferred finds its own exclusive=numa failures;
+    # a try marked for kept cores (whose candidates are not those of the next) none
     near_only = bool(mark) and not free.near_required
+    kept = bool(mark) and mark not in (NEAR, FAR)  # marked MINE, NOT_MINE, LOCKED or ANY
     for avoid in attempts(free.opts):
         failed = free.numa_failed_near if near_only else free.numa_failed
-        if avoid == Exclusive.NUMA and failed:
+        if avoid == Exclusive.NUMA and failed and not kept:
             continue
         try:
             return _isolated_first(free, avoid + mark, n, anchor)
         except InsufficientCPUs as exc:
             error = exc
-            if avoid == Exclusive.NUMA and near_only:
+            if avoid == Exclusive.NUMA and kept:
+                pass
+            elif avoid == Exclusive.NUMA and near_only:
                 free.numa_failed_near = True
             elif avoid == Exclusive.NUMA:
                 free.numa_failed = True
@@ -204,21 +241,34 @@ def take_fragment(free: Free, pieces: int, whole: Collection[int]) -> tuple[int,
     """A CPU with ``pieces`` free pieces near ``whole`` (the allocation's whole CPUs), and
     whether it is fresh (no fragment uses it yet): _take_fragment, with option near only among
     the CPUs next to the devices (required), or there first (preferred, unless the whole CPUs
-    are elsewhere already)."""
+    are elsewhere already); never on a core kept for others' devices, or (when-full) only when
+    no other CPU has room."""
+    try:
+        return _near_fragment(free, pieces, whole, free.locked)
+    except InsufficientCPUs:
+        if not (free.soft and free.locked):
+            raise
+    return _near_fragment(free, pieces, whole, frozenset())
+
+
+def _near_fragment(free: Free, pieces: int, whole: Collection[int], avoid: frozenset[int]
+                   ) -> tuple[int, bool]:
     if free.near is None:
-        return _take_fragment(free, pieces, whole, None)
+        return _take_fragment(free, pieces, whole, None, avoid)
     if free.near_required or free.near.issuperset(whole):
         try:
-            return _take_fragment(free, pieces, whole, free.near)
+            return _take_fragment(free, pieces, whole, free.near, avoid)
         except InsufficientCPUs as exc:
             if free.near_required:
                 raise InsufficientCPUs(f"{refusal(free)}: {exc}") from None
-    return _take_fragment(free, pieces, whole, None)
+    return _take_fragment(free, pieces, whole, None, avoid)
 
 
 def _take_fragment(free: Free, pieces: int, whole: Collection[int],
-                   only: frozenset[int] | None) -> tuple[int, bool]:
-    """A CPU with ``pieces`` free pieces near ``whole``, one of ``only`` (None: any).
+                   only: frozenset[int] | None, avoid: frozenset[int] = frozenset()
+                   ) -> tuple[int, bool]:
+    """A CPU with ``pieces`` free pieces near ``whole``, one of ``only`` (None: any), none of
+    ``avoid``.
 
     An existing fragment CPU that is an SMT sibling of, shares an L3 with or sits on the NUMA
     node of the whole CPUs comes first (fewest free pieces first); then a fresh CPU from the
@@ -227,10 +277,13 @@ def _take_fragment(free: Free, pieces: int, whole: Collection[int],
     """
     topology = free.topology
     rooms = free.rooms if only is None else {c: r for c, r in free.rooms.items() if c in only}
+    if avoid:
+        rooms = {c: r for c, r in rooms.items() if c not in avoid}
     anchor = frozenset(whole)
+    blocked = anchor | avoid if avoid else anchor
 
     def allowed(cs: Iterable[int]) -> list[int]:
-        return [c for c in cs if c not in anchor and (only is None or c in only)]
+        return [c for c in cs if c not in blocked and (only is None or c in only)]
 
     if anchor:
         core_of, l3_of, node_of = free.core_of, free.l3_of, free.node_of

@@ -19,7 +19,8 @@ from cpuservice.model.topology import Topology
 from cpuservice.placement.nodes import _min_nodes
 
 
-def _fragment_capacity(ledger: Ledger, pieces: int, only: frozenset[int] | None = None) -> int:
+def _fragment_capacity(ledger: Ledger, pieces: int, only: frozenset[int] | None = None,
+                       avoid: frozenset[int] | None = None) -> int:
     """Allocations of ``pieces`` pieces and no whole CPU (exact).
 
     take_fragment without whole CPUs ignores every option: it takes the fullest fragment CPU
@@ -28,10 +29,14 @@ def _fragment_capacity(ledger: Ledger, pieces: int, only: frozenset[int] | None 
     granularity // pieces. Fresh CPUs are the allocatable shared ones while the shared-pool
     budget lasts (taking one costs one CPU of budget, and one CPU always passes the budget
     check) plus the free isolated ones, whichever the placement takes first. ``only``: the
-    same among these CPUs alone (near-policy required).
+    same among these CPUs alone (near-policy required); ``avoid``: none of these (cores kept
+    for others' devices).
     """
     g = ledger.granularity
     cpus = CPUSet(only) if only is not None else None
+    if avoid:
+        cpus = (cpus if cpus is not None else ledger.online) - CPUSet(avoid)
+        only = cpus.ids
     existing = sum((g - used) // pieces for c, used in ledger.fragment_pieces.items()
                    if only is None or c in only)
     shared = len(ledger.shared - ledger.reserved if cpus is None

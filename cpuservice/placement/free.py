@@ -25,8 +25,11 @@ from cpuservice.model.topology import Topology
 
 Cell = tuple[int, int]  # (NUMA node, L3 group or -1)
 # a key's marks (see Free.candidates): only the CPUs next to the devices of option near, or
-# only the others
+# only the others; of the cores kept next to devices (cpuservice.model.keep): only those kept
+# for this request's devices, or none of them; only those kept for others, or any CPU (without
+# one of these two marks, the cores kept for others are no candidates)
 NEAR, FAR = "+near", "+far"
+MINE, NOT_MINE, LOCKED, ANY = "+mine", "+notmine", "+locked", "+any"
 View = tuple[dict[Cell, AbstractSet[int]], dict[int, int]]
 
 
@@ -84,6 +87,12 @@ class Free:
         self.near: frozenset[int] | None = cpus.ids if cpus is not None else None
         self.near_required = opts.near_policy == NearPolicy.REQUIRED
         self.numa_failed_near = False  # as numa_failed, among the CPUs next to the devices
+        # cores kept next to devices: those this request's devices have first (mine), those
+        # kept for others (locked: never, or when-full only when nothing else fits)
+        keep = ledger.keep
+        self.mine: frozenset[int] = keep.mine(devices).ids if keep.nodes else frozenset()
+        self.locked: frozenset[int] = (keep.cpus.ids - self.mine) if keep.nodes else frozenset()
+        self.soft = keep.soft
         self._shy: set[int] | None = None
         self._takeable: frozenset[int] | None = None
         # per key (see candidates): the candidates of every cell and their count per node (nodes
@@ -159,12 +168,15 @@ class Free:
         exclusivity and the policy's filter (full-pcpus: threads of wholly takeable cores).
         ``key`` is ``avoid`` (none|pcpu|numa), or ``avoid/iso`` or ``avoid/shared`` for the
         isolated candidates or the others; ``avoid`` marked NEAR (``pcpu+near/iso``): only
-        those next to the devices of option near, FAR: only the others."""
+        those next to the devices of option near, FAR: only the others; marked MINE, NOT_MINE,
+        LOCKED or ANY: as those marks say (kept cores)."""
         free: AbstractSet[int] = self.takeable() if within is None else self.takeable() & within
         avoid, _, subset = key.partition("/")
-        avoid, _, mark = avoid.partition("+")
-        if mark and self.near is not None:
-            free = free & self.near if f"+{mark}" == NEAR else free - self.near
+        if "+" in avoid:
+            avoid, *marks = avoid.split("+")
+            free = self._marked(free, marks)
+        elif self.locked:
+            free = free - self.locked
         if avoid == Exclusive.NUMA and self.used_nodes:
             node_of = self.node_of
             free = {c for c in free if node_of[c] not in self.used_nodes}
@@ -181,6 +193,21 @@ class Free:
             free = free & self.isolated if subset == "iso" else free - self.isolated
         if self.hide:
             free = free - self.hide
+        return free
+
+    def _marked(self, free: AbstractSet[int], marks: list[str]) -> AbstractSet[int]:
+        """``free`` as a key's marks leave it (see NEAR, MINE, ...)."""
+        for mark in marks:
+            if mark in ("near", "far") and self.near is not None:
+                free = free & self.near if mark == "near" else free - self.near
+            elif mark == "mine":
+                free = free & self.mine
+            elif mark == "notmine":
+                free = free - self.mine
+            elif mark == "locked":
+                free = free & self.locked
+        if self.locked and "any" not in marks and "locked" not in marks:
+            free = free - self.locked
         return free
 
     def view(self, key: str) -> View:
@@ -217,9 +244,10 @@ class Free:
 
     def _carries(self, key: str) -> bool:
         """The carried view (Ledger.free_view) is this key's view: one choice, no exclusivity,
-        no mark or subset, nothing hidden, the takeable CPUs the allocatable ones, cores in one
-        node each (full-pcpus filters by core per cell)."""
-        return (key == Exclusive.NONE and not self.steps and not self.hide
+        no mark or subset, nothing hidden, no core kept for others (config keep_near), the
+        takeable CPUs the allocatable ones, cores in one node each (full-pcpus filters by core
+        per cell)."""
+        return (key == Exclusive.NONE and not self.steps and not self.hide and not self.locked
                 and self.budget() > 0 and self.cells.nested)
 
     def classes(self, key: str, nodes: Collection[int]) -> Classes | None:

@@ -49,8 +49,13 @@ def fragmented(ledger: Ledger, request: Request) -> bool:
     min_shared_cpus; free isolated ones) as its whole CPUs, and for a fraction one more or a
     fragment CPU with room. A bound request refused although this holds was refused for where
     the free CPUs are (or for its own options), not for how many there are."""
-    isolated = len(ledger.free_isolated)
-    free = isolated + min(len(ledger.allocatable) - isolated, ledger.shared_budget)
+    locked = ledger.keep.locked(request.devices) if not ledger.keep.soft else None
+    if locked:  # cores kept for others' devices never hold it
+        isolated = len(ledger.free_isolated - locked)
+        free = isolated + min(len(ledger.allocatable - locked) - isolated, ledger.shared_budget)
+    else:
+        isolated = len(ledger.free_isolated)
+        free = isolated + min(len(ledger.allocatable) - isolated, ledger.shared_budget)
     pieces = int(request.fraction * ledger.granularity)
     room = not pieces or free > request.whole or any(
         ledger.granularity - used >= pieces for used in ledger.fragment_pieces.values())

@@ -24,6 +24,7 @@ from cpuservice.model import lending
 from cpuservice.model.config import Config
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import CheckpointWriteError, CPUServiceError, SystemdFailure
+from cpuservice.model.keep import NO_KEEP, Keep
 from cpuservice.model.pools import Ledger, check_invariants
 from cpuservice.model.state import Record, State
 from cpuservice.model.topology import Topology
@@ -63,21 +64,23 @@ def kernel_holders(config: Config) -> tuple[str, ...]:
             *((WORKQUEUES,) if config.isolate_workqueues else ()))
 
 
-def empty_ledger(config: Config, topology: Topology) -> Ledger:
+def empty_ledger(config: Config, topology: Topology, keep: Keep = NO_KEEP) -> Ledger:
     return Ledger(topology.online, config.reserved, topology.isolated & topology.online,
-                  config.granularity, config.min_shared_cpus)
+                  config.granularity, config.min_shared_cpus, keep=keep)
 
 
 class Engine:
     def __init__(self, config: Config, systemd: SystemdAPI, store: Store,
-                 topology: Topology, kernel: KernelAPI | None = None) -> None:
+                 topology: Topology, kernel: KernelAPI | None = None, keep: Keep = NO_KEEP
+                 ) -> None:
         self.config = config
+        self.keep = keep  # cores kept next to devices (config keep_near, found at startup)
         self.systemd = systemd
         self.kernel = kernel
         self.effector = Effector(systemd, kernel)
         self.store = store
         self.topology = topology
-        self.state = State(empty_ledger(config, topology), {})
+        self.state = State(empty_ledger(config, topology, keep), {})
         self.targets = Targets(config.confine_host, kernel_holders(config))
         self.events = Fanout()  # sinks subscribe (subscribe())
         self.on_committed: list[Callable[[], None]] = []  # after each change: status, metrics

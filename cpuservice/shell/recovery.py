@@ -44,7 +44,7 @@ async def start(engine: Engine) -> None:
     """Recover the state and make systemd hold it."""
     began = time.monotonic()
     async with engine.lock:
-        base = empty_ledger(engine.config, engine.topology)
+        base = empty_ledger(engine.config, engine.topology, engine.keep)
         state, source = await recorded(engine, base)
         try:
             steps, events, new, changes = await derive(engine, state)

@@ -80,7 +80,7 @@ class Service:
         self.host = HostPressure(self.config.guard)  # the shared pool's pressure, the guard
         self.admission.guard = self.host.check
         self.generation = 0  # changes committed since the start: the NRT export's generation
-        self._nrt = NrtExport(self.config.default_options)
+        self._nrt = NrtExport(self.config.default_options, self.devices.roots)
         engine.on_committed.append(self._count_commit)
 
     def _count_commit(self) -> None:

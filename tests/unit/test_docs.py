@@ -292,3 +292,26 @@ def test_the_config_page_names_every_system_directory() -> None:
     for key in ("state_file", "metrics_file"):
         comment = shipped[:shipped.index(f"#{key} =")].rsplit("\n\n", 1)[1]
         assert "/etc, /usr, /boot, /proc, /sys, /dev" in comment, key
+
+
+def test_every_config_key_is_in_the_shipped_file_and_the_page() -> None:
+    """Issue 38: a key of the configuration has its home in Config, and both the shipped
+    cpuservice.toml and cpuservice.toml(5) name it (a table as [key] or [[key]])."""
+    from cpuservice.model import compat, config
+
+    shipped = (ROOT / "systemd/cpuservice.toml").read_text()
+    text = page("cpuservice.toml.5")
+    for key in compat.field_aliases(config.Config):
+        assert re.search(rf"^#\[{{0,2}}{key}\]{{0,2}}( =|$)", shipped, re.M), key
+        assert re.search(rf"\*(\[{{1,2}})?{key}(\]{{1,2}})?\*", text), key
+
+
+def test_cpuservice_run_flags_are_completed_and_documented() -> None:
+    """cpuservice-run's own flags (not request options) are in its page and the completion."""
+    from cpuservice.cli import run
+
+    completion = (ROOT / "scripts/completion/cpuservicectl").read_text()
+    text = page("cpuservice-run.1")
+    for flag in sorted(run.OWN_FLAGS | run.OWN_VALUE):
+        assert re.search(rf"(^|[\s\"|(]){flag}($|[\s\"|)])", completion, re.M), flag
+        assert f"*{flag}*" in text, flag
