@@ -1,7 +1,7 @@
 """resolve(): the rules that turn what was read from sysfs (a Reading: cpuservice.host.sysfs
 reads one, cpuservice.model.fixtures builds them in memory) into a Topology. No I/O here.
 
-What discovery trusts (the README says the same to users):
+What discovery trusts (docs/design.md says the same to users):
 
 - **Masks are the truth, ids are labels.** A core is the CPUs that report the same sibling mask
   (``core_cpus_list``, older ``thread_siblings_list``, or the hex ``_map`` forms); a package the

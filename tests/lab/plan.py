@@ -269,7 +269,7 @@ MODERN: dict[str, Scenario] = {
 }
 
 # Debian 12 with podman (lab.PODMAN), the default shape, one boot: containers on allocated CPUs,
-# the three ways people start them (tests/lab/scenarios/containers.py, the README's recipes).
+# the three ways people start them (tests/lab/scenarios/containers.py, docs/guides/podman.md).
 CONTAINERS_PY = "python3 /payload/tests/lab/scenarios/containers.py"
 CONTAINERS: dict[str, Scenario] = {
     "install": Scenario(INSTALL, 300),

@@ -1,7 +1,7 @@
 """Containers on allocated CPUs, on the lab's real kernel (cgroup v2 enforces AllowedCPUs):
 podman 4.3 of Debian 12 and a local busybox image, started the three ways people start them
-(tests/lab/scenarios/containers.py; the README's "Containers" recipes). One boot of lab.PODMAN,
-alone with `make test-lab-containers`."""
+(tests/lab/scenarios/containers.py; docs/guides/podman.md's "Containers" recipes). One boot of
+lab.PODMAN, alone with `make test-lab-containers`."""
 
 from __future__ import annotations
 

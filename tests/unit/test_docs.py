@@ -69,6 +69,20 @@ def test_the_package_ships_every_page() -> None:
     assert "README.md" in (ROOT / "debian/cpuservice.docs").read_text().split()
 
 
+def test_the_package_ships_every_guide_beside_the_readme() -> None:
+    """Issue 42: the README's administrator, design, performance and testing text moved into
+    docs/*.md and docs/guides/*.md; the package installs each of them where the README's links
+    point (/usr/share/doc/cpuservice/docs/...), or an installed host would have lost it."""
+    rules = (ROOT / "debian/rules").read_text()
+    globs = re.findall(r"install -m644 (docs/\S*\*\.md) debian/cpuservice/usr/share/doc/"
+                       r"cpuservice/(\S+)/\n", rules)
+    assert globs, "debian/rules installs no docs/*.md"
+    for pattern, dest in globs:
+        assert dest == str(Path(pattern).parent), (pattern, dest)
+    shipped = {p for pattern, _ in globs for p in ROOT.glob(pattern)}
+    assert shipped == set((ROOT / "docs").rglob("*.md"))
+
+
 def test_every_option_value_is_explained() -> None:
     text = page("cpuservicectl.1")
     for vocabulary in VOCABULARIES:

@@ -230,7 +230,7 @@ def test_alignment_names_every_reason() -> None:
 
 
 def test_export_size_and_time_on_the_largest_fixture() -> None:
-    """machine e: 1,024 CPUs, 8 nodes, 64 L3 groups (the README quotes these figures)."""
+    """machine e: 1,024 CPUs, 8 nodes, 64 L3 groups (docs/guides/kubernetes-nrt.md quotes them)."""
     import time
     t = MACHINES["e"].topology()
     led = ledger(t)

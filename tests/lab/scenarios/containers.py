@@ -1,8 +1,8 @@
-"""VM lab scenario: podman containers on allocated CPUs, the three ways people start them (the
-README's "Containers" recipes are these commands; their containers' PID 1 ends on SIGTERM, so
-no stop waits out systemd's 90 s, and the attached one ends once it has been seen). For each,
-the container's main process: its Cpus_allowed_list and its cgroup, which must be the
-allocation's CPUs and a child of its unit. Prints lines starting with ``RESULT `` (JSON); a
+"""VM lab scenario: podman containers on allocated CPUs, the three ways people start them
+(docs/guides/podman.md's "Containers" recipes are these commands; their containers' PID 1 ends
+on SIGTERM, so no stop waits out systemd's 90 s, and the attached one ends once it has been
+seen). For each, the container's main process: its Cpus_allowed_list and its cgroup, which must
+be the allocation's CPUs and a child of its unit. Prints lines starting with ``RESULT `` (JSON); a
 failed check prints ``FAILED STEP: ...`` and exits 1.
 
     python3 containers.py setup|parent|run|service
