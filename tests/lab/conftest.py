@@ -208,6 +208,17 @@ def _boot(name: str, scenarios: dict[str, lab.Scenario], shape: lab.Shape = DEFA
                                                          release=release)))
 
 
+def main_scenario(name: str) -> lab.Result:
+    """Scenario ``name`` of the main boot: its result there when the main boot ran it (the
+    whole tier), else from a boot of its own with the package installed (one module alone)."""
+    main = BOOTS.get("main")
+    if main is not None and name in main.results:
+        return main.results[name]
+    run = _boot(name, {"install": plan.MAIN["install"], name: plan.MAIN[name]})
+    assert run.results["install"].status == 0, run.results["install"].output
+    return run.results[name]
+
+
 @pytest.fixture(scope="session")
 def main_boot(lab_ready: None) -> lab.Run:
     """One boot of the default shape that runs every scenario of plan.MAIN."""

@@ -11,20 +11,12 @@ from typing import Any
 
 import pytest
 
-from tests.envs import lab
-from tests.lab import plan
-from tests.lab.conftest import BOOTS, _boot
+from tests.lab.conftest import main_scenario
 
 
 @pytest.fixture(scope="module")
 def figures(lab_ready: None) -> dict[str, dict[str, Any]]:
-    main = BOOTS.get("main")
-    run: lab.Run | None = main if main is not None and "figures" in main.results else None
-    if run is None:
-        run = _boot("figures", {"install": plan.MAIN["install"],
-                                "figures": plan.MAIN["figures"]})
-        assert run.results["install"].status == 0, run.results["install"].output
-    result = run.results["figures"]
+    result = main_scenario("figures")
     print(f"\n{result.output[-4000:]}")
     assert result.status == 0, result.output
     return result.checks()

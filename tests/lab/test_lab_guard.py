@@ -11,19 +11,12 @@ from typing import Any
 
 import pytest
 
-from tests.envs import lab
-from tests.lab import plan
-from tests.lab.conftest import BOOTS, _boot
+from tests.lab.conftest import main_scenario
 
 
 @pytest.fixture(scope="module")
 def guard(lab_ready: None) -> dict[str, dict[str, Any]]:
-    main = BOOTS.get("main")
-    run: lab.Run | None = main if main is not None and "guard" in main.results else None
-    if run is None:
-        run = _boot("guard", {"install": plan.MAIN["install"], "guard": plan.MAIN["guard"]})
-        assert run.results["install"].status == 0, run.results["install"].output
-    result = run.results["guard"]
+    result = main_scenario("guard")
     print(f"\n{result.output[-4000:]}")
     assert result.status == 0, result.output
     return result.checks()

@@ -10,20 +10,12 @@ from typing import Any
 
 import pytest
 
-from tests.lab import plan
-from tests.lab.conftest import BOOTS, _boot
+from tests.lab.conftest import main_scenario
 
 
 @pytest.fixture(scope="module")
 def checks(lab_ready: None) -> dict[str, dict[str, Any]]:
-    main = BOOTS.get("main")
-    if main is not None and "lending" in main.results:
-        out = main.results["lending"]
-    else:
-        run = _boot("lending", {"install": plan.MAIN["install"],
-                                "lending": plan.MAIN["lending"]})
-        assert run.results["install"].status == 0, run.results["install"].output
-        out = run.results["lending"]
+    out = main_scenario("lending")
     print(out.output)
     assert out.status == 0, out.output
     return out.checks()

@@ -8,18 +8,12 @@ from __future__ import annotations
 import pytest
 
 from tests.envs import lab
-from tests.lab import plan
-from tests.lab.conftest import BOOTS, _boot
+from tests.lab.conftest import main_scenario
 
 
 @pytest.fixture(scope="module")
 def metrics(lab_ready: None) -> lab.Result:
-    main = BOOTS.get("main")
-    if main is not None and "metrics" in main.results:
-        return main.results["metrics"]
-    run = _boot("metrics", {"install": plan.MAIN["install"], "metrics": plan.MAIN["metrics"]})
-    assert run.results["install"].status == 0, run.results["install"].output
-    return run.results["metrics"]
+    return main_scenario("metrics")
 
 
 def rows(result: lab.Result) -> dict[str, dict]:  # type: ignore[type-arg]
