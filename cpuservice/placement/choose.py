@@ -25,7 +25,7 @@ from cpuservice.model.request import (
 )
 from cpuservice.placement.free import FAR, NEAR, Cell, Free
 from cpuservice.placement.nodes import _nodes_for, _quotas
-from cpuservice.placement.pack import _pick, _take, pack, whole_core_step
+from cpuservice.placement.pack import _pick, _take, no_whole_cores, pack, whole_core_step
 
 STRICT_ALIGNMENT = (NumaAlignment.RESTRICTED, NumaAlignment.SINGLE_NUMA_NODE)
 
@@ -128,7 +128,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
             return _spread(free, key, cands, counts, n)
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)
-        if opts.policy == Policy.PACKED:
+        if opts.policy != Policy.SPREAD_PCPUS:
             got = _packed(free, key, cands, counts, n)
             if got is not None:
                 return got
@@ -182,12 +182,14 @@ def _walk(free: Free, cells: Mapping[Cell, Collection[int]], counts: Mapping[int
 
 def _packed(free: Free, key: str, cands: Mapping[Cell, Collection[int]],
             counts: Mapping[int, int], n: int) -> list[int] | None:
-    """pack (packed, nothing near) over the candidates of the nodes in ``counts`` on cores of
-    several threads, walked on the per-cell classes (Free.packed_classes) where pack's steps
-    are walks with nothing near: whole cores (a walk on one thread per wholly free core) when
-    they make all n; else, with no core taken whole, loose threads (the first bucket, when it
-    holds all n), or the lowest threads of the best-fitting wholly free core. None where pack
-    looks nearer (CPUs already chosen), or at cores of fewer threads: pack itself then."""
+    """pack (packed or full-pcpus, nothing near) over the candidates of the nodes in
+    ``counts`` on cores of several threads, walked on the per-cell classes
+    (Free.packed_classes) where pack's steps are walks with nothing near: whole cores (a walk
+    on one thread per wholly free core) when they make all n; else (packed), with no core
+    taken whole, loose threads (the first bucket, when it holds all n), or the lowest threads
+    of the best-fitting wholly free core. None where pack looks nearer (CPUs already chosen),
+    or at cores of fewer threads: pack itself then. full-pcpus without whole cores for n:
+    pack's InsufficientCPUs."""
     if n >= sum(counts.values()):
         return None
     tpc, cores, core_of = free.topology.threads_per_core, free.topology.cores, free.core_of
@@ -201,11 +203,14 @@ def _packed(free: Free, key: str, cands: Mapping[Cell, Collection[int]],
                 if single:
                     return None
                 wide[cell], plain[cell], shy[cell] = w, p, s
-    k = min(n // tpc, sum(len(w) for w in wide.values()))
-    if k:
-        if k * tpc < n:
-            return None  # the rest goes near the cores taken
+    whole = sum(len(w) for w in wide.values())
+    k = min(n // tpc, whole)
+    if k * tpc == n:
         return [c for p in _walk(free, wide, _per_node(wide), k) for c in cores[core_of[p]]]
+    if free.opts.policy == Policy.FULL_PCPUS:  # no single-thread core to make up the rest
+        raise no_whole_cores(n, {tpc: whole} if whole else {})
+    if k:
+        return None  # the rest goes near the cores taken
     for bucket in (plain, shy):
         per_node = _per_node(bucket)
         if per_node:

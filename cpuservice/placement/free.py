@@ -271,7 +271,7 @@ class Free:
         """pack's classes (classify) of a cell's candidates, the loose threads split by
         whether spread-pcpus uses their core (shy): wide, single, loose elsewhere, loose on
         shy cores; kept across steps until a step touches the cell (packed only: shy does
-        not change)."""
+        not change; full-pcpus: no loose thread)."""
         if (cell, key) not in self._packed:
             _, wide, single, loose = classify(self.topology, cands)
             shy = self.shy() if loose else ()
