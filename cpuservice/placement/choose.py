@@ -128,10 +128,9 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
             return _spread(free, key, cands, counts, n)
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)
-        if opts.policy != Policy.SPREAD_PCPUS:
-            got = _packed(free, key, cands, counts, n)
-            if got is not None:
-                return got
+        got = _packed(free, key, cands, counts, n)  # packed or full-pcpus
+        if got is not None:
+            return got
     return _pick(topology, free.everything(key, counts), n, near, opts.policy, free.shy,
                  free.level(counts), free.classes(key, counts))
 
