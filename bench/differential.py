@@ -46,6 +46,15 @@ EXTRA: dict[str, Machine] = {
 SKIP = {"e"}  # 1,024 CPUs: the bench's own lines cover it; here it would dominate the time
 
 POLICIES = ("packed", "packed", "full-pcpus", "spread-pcpus")
+# capacity of these shapes every SWEEP calls, on the ledger of the moment (not drawn: the trace
+# stays as it was): capacity's walks per cell (one CPU, a CPU and a piece, a core and a thread)
+SWEEP = 50
+SWEEP_SHAPES: tuple[tuple[str, dict[str, object]], ...] = (
+    ("1", {}), ("1.001", {}), ("1.01", {}), ("1.5", {}), ("2", {}), ("2.01", {}), ("3", {}),
+    ("5", {}),
+    ("1", {"numa-alignment": "none"}), ("3", {"numa-alignment": "single-numa-node"}),
+    ("1", {"exclusive": "pcpu"}), ("2", {"numa-strategy": "least-allocated"}),
+)
 
 
 def machines() -> dict[str, Machine]:
@@ -149,6 +158,14 @@ def trace(key: str, machine: Machine, seed: int, ops: int) -> Iterator[str]:
         except CPUServiceError as exc:
             yield f"{head} error {type(exc).__name__}: {exc}"
         check_invariants(ledger)
+        if i % SWEEP == SWEEP - 1:
+            for amount, extra in SWEEP_SHAPES:
+                try:
+                    count = placement.capacity(topology, ledger,
+                                               Request.parse(amount, {"bind": True, **extra}))
+                    yield f"{i} sweep {amount} {sorted(extra.items())} capacity {count}"
+                except CPUServiceError as exc:
+                    yield f"{i} sweep {amount} {sorted(extra.items())} {type(exc).__name__}: {exc}"
 
 
 def outcomes(ops: int, seeds: int) -> Iterator[str]:

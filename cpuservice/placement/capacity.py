@@ -46,7 +46,8 @@ def capacity(topology: Topology, ledger: Ledger, request: Request) -> int:
       allocate runs (choose.py) makes its choices in turn on one Free view, which each choice
       updates (Free.take) in the cells it touched. That is one step per allocation, but there
       are at most free CPUs / X of them (X >= 1), and a step only looks at the cell it lands in
-      (and the counts per node); after exclusive=numa's first phase, or once the isolated CPUs
+      (and the counts per node; packed and full-pcpus on SMT cores walk pack's classes kept
+      per cell, choose._packed); after exclusive=numa's first phase, or once the isolated CPUs
       or the budget are used up, the rest is a closed form again. On 1,024 CPUs with a
       thousand allocations the slowest shapes take a few tens of milliseconds
       (bench/placement.py: capacity_worst_us). Topologies with a core split over two NUMA

@@ -25,7 +25,7 @@ from cpuservice.model.request import (
 )
 from cpuservice.placement.free import ANY, FAR, LOCKED, MINE, NEAR, NOT_MINE, Cell, Free
 from cpuservice.placement.nodes import _nodes_for, _quotas
-from cpuservice.placement.pack import _pick, _take, pack, whole_core_step
+from cpuservice.placement.pack import _pick, _take, no_whole_cores, pack, whole_core_step
 
 STRICT_ALIGNMENT = (NumaAlignment.RESTRICTED, NumaAlignment.SINGLE_NUMA_NODE)
 
@@ -165,6 +165,9 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
             return _spread(free, key, cands, counts, n)
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)
+        got = _packed(free, key, cands, counts, n)  # packed or full-pcpus
+        if got is not None:
+            return got
     return _pick(topology, free.everything(key, counts), n, near, opts.policy, free.shy,
                  free.level(counts), free.classes(key, counts))
 
@@ -211,6 +214,54 @@ def _walk(free: Free, cells: Mapping[Cell, Collection[int]], counts: Mapping[int
         return _take(topology, [c for cs in inside.values() for c in cs], n, frozenset(), 2)
     best = min(fitting, key=lambda l3: (len(inside[l3]), l3))
     return _take(topology, list(inside[best]), n, frozenset(), 3)
+
+
+def _packed(free: Free, key: str, cands: Mapping[Cell, Collection[int]],
+            counts: Mapping[int, int], n: int) -> list[int] | None:
+    """pack (packed or full-pcpus, nothing near) over the candidates of the nodes in
+    ``counts`` on cores of several threads, walked on the per-cell classes
+    (Free.packed_classes) where pack's steps are walks with nothing near: whole cores (a walk
+    on one thread per wholly free core) when they make all n; else (packed), with no core
+    taken whole, loose threads (the first bucket, when it holds all n), or the lowest threads
+    of the best-fitting wholly free core. None where pack looks nearer (CPUs already chosen),
+    or at cores of fewer threads: pack itself then. full-pcpus without whole cores for n:
+    pack's InsufficientCPUs."""
+    if n >= sum(counts.values()):
+        return None
+    tpc, cores, core_of = free.topology.threads_per_core, free.topology.cores, free.core_of
+    wide: dict[Cell, list[int]] = {}
+    plain: dict[Cell, list[int]] = {}
+    shy: dict[Cell, list[int]] = {}
+    for x in counts:
+        for cell in free.in_node[x]:
+            if cands[cell]:
+                w, single, p, s = free.packed_classes(cell, key, cands[cell])
+                if single:
+                    return None
+                wide[cell], plain[cell], shy[cell] = w, p, s
+    whole = sum(len(w) for w in wide.values())
+    k = min(n // tpc, whole)
+    if k * tpc == n:
+        return [c for p in _walk(free, wide, _per_node(wide), k) for c in cores[core_of[p]]]
+    if free.opts.policy == Policy.FULL_PCPUS:  # no single-thread core to make up the rest
+        raise no_whole_cores(n, {tpc: whole} if whole else {})
+    if k:
+        return None  # the rest goes near the cores taken
+    for bucket in (plain, shy):
+        per_node = _per_node(bucket)
+        if per_node:
+            return _walk(free, bucket, per_node, n) if n <= sum(per_node.values()) else None
+    # no loose thread: n < tpc threads of one wholly free core
+    primary = _walk(free, wide, _per_node(wide), 1)[0]
+    return sorted(cores[core_of[primary]])[:n]
+
+
+def _per_node(cells: Mapping[Cell, Collection[int]]) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for (x, _), cs in cells.items():
+        if cs:
+            counts[x] = counts.get(x, 0) + len(cs)
+    return counts
 
 
 def _node(free: Free, counts: Mapping[int, int], n: int) -> int | None:

@@ -18,7 +18,7 @@ from typing import cast
 
 from cpuservice.model import near
 from cpuservice.model.cpuset import EMPTY, CPUSet
-from cpuservice.model.freeview import Classes
+from cpuservice.model.freeview import Classes, classify
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Exclusive, NearPolicy, Options, Policy
 from cpuservice.model.topology import Topology
@@ -101,6 +101,7 @@ class Free:
         self._everything: dict[str, AbstractSet[int]] = {}  # of fresh views: all their candidates
         self._stale: dict[str, set[Cell]] = {}
         self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
+        self._packed: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
 
     @property
     def rooms(self) -> dict[int, int]:
@@ -293,6 +294,20 @@ class Free:
             self._primary[cell, key] = paired, full, partial
         return self._primary[cell, key]
 
+    def packed_classes(self, cell: Cell, key: str, cands: Collection[int]
+                       ) -> tuple[list[int], ...]:
+        """pack's classes (classify) of a cell's candidates, the loose threads split by
+        whether spread-pcpus uses their core (shy): wide, single, loose elsewhere, loose on
+        shy cores; kept across steps until a step touches the cell (packed only: shy does
+        not change; full-pcpus: no loose thread)."""
+        if (cell, key) not in self._packed:
+            _, wide, single, loose = classify(self.topology, cands)
+            shy = self.shy() if loose else ()
+            self._packed[cell, key] = (wide, single,
+                                       [c for c in loose if self.core_of[c] not in shy],
+                                       [c for c in loose if self.core_of[c] in shy])
+        return self._packed[cell, key]
+
     def fragments_in(self, level: int, group: int) -> Collection[int]:
         """Fragment CPUs in a node (level 1) or L3 group (level 2)."""
         if self._fragments_in is None:
@@ -340,11 +355,13 @@ class Free:
         if had_budget and not self.budget():  # takeable: the free isolated CPUs only
             self._views.clear()
             self._primary.clear()
+            self._packed.clear()
             return
         for cell in touched:
             for key in self._views:
                 self._stale[key].add(cell)
                 self._primary.pop((cell, key), None)
+                self._packed.pop((cell, key), None)
 
     def _use(self, cpus: Iterable[int]) -> None:
         for c in cpus:

@@ -133,9 +133,14 @@ def pack(
     for k, threads in by_core.items():
         if len(threads) == size[k]:
             sizes[len(threads)] = sizes.get(len(threads), 0) + 1
+    raise no_whole_cores(n, sizes)
+
+
+def no_whole_cores(n: int, sizes: dict[int, int]) -> InsufficientCPUs:
+    """full-pcpus' refusal; ``sizes``: the number of whole free cores of each size."""
     free = ", ".join(f"{count} of {size} thread{'s' * (size > 1)}"
                      for size, count in sorted(sizes.items(), reverse=True)) or "none"
-    raise InsufficientCPUs(
+    return InsufficientCPUs(
         f"{n} CPUs requested but whole free cores cannot make exactly {n} CPUs here "
         f"(whole free cores: {free})"
     )
