@@ -2,6 +2,8 @@
 PY      := .venv/bin/python
 DEBPY   := /usr/bin/python3
 PYTEST  := -m pytest -q -p no:cacheprovider
+# the unit tiers' scratch files on a tmpfs of their own (scripts/scratch-tmpfs.sh says why)
+SCRATCH := bash scripts/scratch-tmpfs.sh
 
 .PHONY: setup lint test test-explore test-unit test-unit-venv test-unit-debian test-integration test-lab \
         test-lab-modern test-lab-containers test-lab-debian13 bench-placement bench-service \
@@ -31,7 +33,7 @@ test-explore:
 	@seed=$${SEED:-$$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}; \
 	echo "==> explore: hypothesis seed $$seed, $(EXPLORE_SCALE)x the gate's examples"; \
 	CPUSERVICE_HYPOTHESIS=explore CPUSERVICE_EXPLORE_SCALE=$(EXPLORE_SCALE) \
-	    $(PY) $(PYTEST) tests/unit --hypothesis-seed=$$seed; rc=$$?; \
+	    $(SCRATCH) $(PY) $(PYTEST) tests/unit --hypothesis-seed=$$seed; rc=$$?; \
 	echo "==> explore: seed $$seed, exit $$rc (repeat: make test-explore SEED=$$seed)"; \
 	exit $$rc
 
@@ -39,7 +41,7 @@ test-unit: test-unit-venv test-unit-debian
 
 # pydantic 2.x / dbus-fast 5.x from PyPI
 test-unit-venv:
-	$(PY) $(PYTEST) tests/unit
+	$(SCRATCH) $(PY) $(PYTEST) tests/unit
 
 # the distribution's own Python, pydantic, dbus-fast, pytest and hypothesis, whatever they are
 # (Debian 12: 3.11, 1.10.4, 1.84.2; Debian 13: 3.13, 2.10.6, 2.44.1); it says which
@@ -48,7 +50,7 @@ test-unit-debian:
 	    print("==> Debian", open("/etc/debian_version").read().strip(), "Python", \
 	          sys.version.split()[0], "pydantic", pydantic.VERSION, "dbus-fast", v("dbus-fast"), \
 	          "hypothesis", hypothesis.__version__)'
-	PYTHONPATH=$(CURDIR) $(DEBPY) $(PYTEST) tests/unit
+	PYTHONPATH=$(CURDIR) $(SCRATCH) $(DEBPY) $(PYTEST) tests/unit
 
 test-integration:
 	$(PY) $(PYTEST) tests/integration

@@ -195,8 +195,15 @@ def write_reading(root: str | Path, reading: Reading, style: Style = Style()) ->
     width = max(everything.sorted()[-1] // 32 + 1, 1)
 
     def write(path: Path, text: str) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text + style.end)
+        # writing a tree again rewrites only what changed: opening a file to write costs ten
+        # times what reading it does, and the hotplug properties write trees thousands of times
+        text += style.end
+        try:
+            if path.read_text() == text:
+                return
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
 
     def mask(directory: Path, names: tuple[str, str], cpus: CPUSet | None) -> None:
         for name, on, text in ((names[0], style.lists, cpus.format() if cpus is not None else ""),

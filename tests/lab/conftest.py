@@ -133,6 +133,7 @@ class Scheduler:
         try:
             run = task()
             BOOTS[name] = run
+            _keep_output(name, run)
             future.set_result(run)
         except BaseException as exc:  # handed to the test that waits for it
             future.set_exception(exc)
@@ -170,6 +171,19 @@ class Scheduler:
 
 
 SCHEDULER = Scheduler()
+
+
+def _keep_output(name: str, run: lab.Run) -> None:
+    """With CPUSERVICE_LAB_OUTPUT=DIR, what each scenario of boot ``name`` printed, in
+    DIR/NAME/SCENARIO.txt (a passing test shows none of it): to see how long each check took."""
+    out = os.environ.get("CPUSERVICE_LAB_OUTPUT")
+    if not out:
+        return
+    where = Path(out) / name
+    where.mkdir(parents=True, exist_ok=True)
+    for result in run.results.values():
+        (where / f"{result.name}.txt").write_text(
+            f"exit {result.status}, {result.seconds:.1f} s\n{result.output}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -258,10 +272,13 @@ def near_boot(lab_ready: None) -> lab.Run:
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     for name, run in BOOTS.items():
-        times = ", ".join(f"{r.name} {r.seconds:.0f}" for r in run.results.values())
+        times = ", ".join(f"{r.name} {r.seconds:.0f}/{run.cpu_by_state.get(r.name, 0):.0f}"
+                          for r in run.results.values())
         terminalreporter.write_line(
-            f"VM lab boot {name}: booted in {run.boot_seconds:.0f} s, whole run "
-            f"{run.total_seconds:.0f} s; scenarios (s): {times}")
+            f"VM lab boot {name}: booted in {run.boot_seconds:.0f} s "
+            f"({run.cpu_by_state.get('boot', 0):.0f} s of CPU), whole run "
+            f"{run.total_seconds:.0f} s ({run.cpu_seconds:.0f} s of CPU); scenarios "
+            f"(s, wall/CPU): {times}")
         if run.boot_panic:
             terminalreporter.write_line(f"VM lab boot {name}: booted again after a kernel "
                                         f"panic: {run.boot_panic[:1200]}")
