@@ -39,5 +39,6 @@ install -d /etc/cpuservice
 [ -e /etc/cpuservice/cpuservice.toml ] || install -m644 "$src/systemd/cpuservice.toml" /etc/cpuservice/
 busctl call org.freedesktop.DBus /org/freedesktop/DBus org.freedesktop.DBus ReloadConfig
 systemctl daemon-reload
-systemctl enable --now cpuservice.service
+# (re)started once: what runs is this checkout's code, whether or not an older one ran
+systemctl enable cpuservice.service
 systemctl restart cpuservice.service

@@ -2,11 +2,13 @@
 the shared boots every lab test module reads (tests/lab/plan.py), with their times reported at
 the end of the run.
 
-The boots start as soon as the session knows which it needs, side by side, longest first
-(``Scheduler``): a VM under QEMU's software emulation keeps about one core busy, so two at a
-time (``CPUSERVICE_LAB_PARALLEL``) fill this project's 2-core machines. While the file named
+The boots start as soon as the session knows which it needs, side by side (``Scheduler``): a
+VM under QEMU's software emulation keeps up to every core busy when its guest is busy and little
+when it is idle, so two at a time (``CPUSERVICE_LAB_PARALLEL``) fill this project's 2-core
+machines, the longest first in one lane, the shortest first in the other. While the file named
 by ``CPUSERVICE_LAB_SHARED_UNTIL`` does not exist (scripts/tiers.sh: the other tiers still run
-beside the lab), one at a time."""
+beside the lab), the second lane's boots run at niceness FILLER_NICE: they take what CPU the
+other tiers and the first lane's boot leave, and the first lane's boot keeps its share."""
 
 from __future__ import annotations
 
@@ -94,26 +96,46 @@ PLANNED = {
 }
 
 
+# the niceness of a boot that fills in beside the other tiers (a weight of 110 to their 1024)
+FILLER_NICE = 10
+
+
 @dataclass
 class Scheduler:
-    """Runs the boots on threads, ``parallel()`` at a time, in the order they were asked for;
-    each one's Run (or its error) is a Future. Packages are built once per release."""
+    """Runs the boots on threads, ``parallel()`` at a time: in the order they were asked for in
+    the first lane, from the end of that order in the others; while the other tiers run, those
+    others at FILLER_NICE (``turn``). Each one's Run (or its error) is a Future. Packages are
+    built once per release."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
     queue: list[str] = field(default_factory=list)
     running: int = 0
+    fillers: int = 0  # running at FILLER_NICE
     futures: dict[str, Future[lab.Run]] = field(default_factory=dict)
     packages: dict[str, Future[list[Path]]] = field(default_factory=dict)
     scratch: list[Path] = field(default_factory=list)
 
     @staticmethod
     def parallel() -> int:
-        shared_until = os.environ.get("CPUSERVICE_LAB_SHARED_UNTIL")
-        if shared_until and not Path(shared_until).exists():
-            return 1
         return max(1, int(os.environ.get("CPUSERVICE_LAB_PARALLEL", "2")))
 
-    def submit(self, name: str, task: Callable[[], lab.Run]) -> Future[lab.Run]:
+    @staticmethod
+    def shared() -> bool:
+        """Whether the other tiers still run beside the lab."""
+        shared_until = os.environ.get("CPUSERVICE_LAB_SHARED_UNTIL")
+        return bool(shared_until) and not Path(shared_until).exists()
+
+    def turn(self, name: str) -> int | None:
+        """The niceness ``name`` starts at if it may start now, else None."""
+        if not self.queue or self.running >= self.parallel():
+            return None
+        if self.running - self.fillers == 0:  # the first lane is free
+            return 0 if self.queue[0] == name else None
+        if self.queue[-1] != name:
+            return None
+        return FILLER_NICE if self.shared() else 0
+
+    def submit(self, name: str, task: Callable[[int], lab.Run]) -> Future[lab.Run]:
         with self.cond:
             if name not in self.futures:
                 self.futures[name] = Future()
@@ -122,16 +144,17 @@ class Scheduler:
                                  daemon=True).start()
             return self.futures[name]
 
-    def _run(self, name: str, task: Callable[[], lab.Run]) -> None:
+    def _run(self, name: str, task: Callable[[int], lab.Run]) -> None:
         with self.cond:
-            while self.queue[0] != name or self.running >= self.parallel():
+            while (nice := self.turn(name)) is None:
                 self.cond.wait(1.0)  # the share file appears without a notification
-            self.queue.pop(0)
+            self.queue.remove(name)
             self.running += 1
+            self.fillers += nice > 0
             self.cond.notify_all()
         future = self.futures[name]
         try:
-            run = task()
+            run = task(nice)
             BOOTS[name] = run
             _keep_output(name, run)
             future.set_result(run)
@@ -140,6 +163,7 @@ class Scheduler:
         finally:
             with self.cond:
                 self.running -= 1
+                self.fillers -= nice > 0
                 self.cond.notify_all()
 
     def debs(self, release: lab.Release) -> list[Path]:
@@ -160,9 +184,10 @@ class Scheduler:
         return future.result()
 
     def boot(self, boot: Boot) -> Future[lab.Run]:
-        def task() -> lab.Run:
+        def task(nice: int) -> lab.Run:
             files = self.debs(boot.debs) if boot.debs else []
-            return lab.run(boot.scenarios, boot.shape, files=files, release=boot.release)
+            return lab.run(boot.scenarios, boot.shape, files=files, release=boot.release,
+                           nice=nice)
         return self.submit(boot.name, task)
 
     def cleanup(self) -> None:
@@ -218,8 +243,8 @@ def trixie_debs(lab_ready: None) -> list[Path]:
 def _boot(name: str, scenarios: dict[str, lab.Scenario], shape: lab.Shape = DEFAULT,
           files: list[Path] | None = None, release: lab.Release = lab.BOOKWORM) -> lab.Run:
     """A boot of a test module's own (the shared ones are PLANNED)."""
-    return _wait(SCHEDULER.submit(name, lambda: lab.run(scenarios, shape, files=files or [],
-                                                         release=release)))
+    return _wait(SCHEDULER.submit(name, lambda nice: lab.run(
+        scenarios, shape, files=files or [], release=release, nice=nice)))
 
 
 def main_scenario(name: str) -> lab.Result:
