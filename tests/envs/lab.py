@@ -454,7 +454,9 @@ class _BootPanic(LabError):
 def _run_once(plan: Mapping[str, Scenario], shape: Shape, files: Sequence[Path], base: Path,
               boot: tuple[Path, Path], any_panic: bool = False, cpu: str = BOOKWORM.cpu,
               nice: int = 0) -> Run:
-    timeout = BOOT_ALLOWANCE + sum(s.timeout + 10 for s in plan.values())
+    # a niced QEMU gets what CPU the rest leaves: it may take longer to boot
+    allowance = BOOT_ALLOWANCE * (2 if nice else 1)
+    timeout = allowance + sum(s.timeout + 10 for s in plan.values())
     began = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cpuservice-lab-", dir="/var/tmp") as tmp:
         workdir = Path(tmp)
@@ -472,7 +474,7 @@ def _run_once(plan: Mapping[str, Scenario], shape: Shape, files: Sequence[Path],
             with contextlib.suppress(OSError):
                 Path(f"/proc/{qemu.pid}/autogroup").write_text(f"{nice}\n")
         spent: dict[str, float] = {}
-        reason = _watch(qemu, workdir / "scenarios.log", plan, timeout, spent)
+        reason = _watch(qemu, workdir / "scenarios.log", plan, timeout, spent, allowance)
         if reason:
             qemu.kill()
             qemu.communicate()
@@ -502,9 +504,10 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 def _watch(qemu: subprocess.Popen[bytes], log_path: Path, plan: Mapping[str, Scenario],
-           timeout: float, cpu: dict[str, float] | None = None) -> str | None:
+           timeout: float, cpu: dict[str, float] | None = None,
+           allowance: int = BOOT_ALLOWANCE) -> str | None:
     """Follow the VM's report until QEMU exits. The reason to stop it early, if any: it did not
-    boot within BOOT_ALLOWANCE, a scenario ran well over its limit (the VM's own timeout should
+    boot within ``allowance``, a scenario ran well over its limit (the VM's own timeout should
     have ended it), it did not power off after the last scenario, or the whole run is over.
     ``cpu`` gets QEMU's CPU seconds by state (read every half second: the last half second of
     a state may count for the next)."""
@@ -531,7 +534,7 @@ def _watch(qemu: subprocess.Popen[bytes], log_path: Path, plan: Mapping[str, Sce
         elif "@@BOOTED" in log:
             current, limit = f"between scenarios after {len(ends)}", 60
         else:
-            current, limit = "boot", BOOT_ALLOWANCE
+            current, limit = "boot", allowance
         if current != state:
             state, since = current, now
         if now - since > limit:

@@ -7,8 +7,9 @@ VM under QEMU's software emulation keeps up to every core busy when its guest is
 when it is idle, so two at a time (``CPUSERVICE_LAB_PARALLEL``) fill this project's 2-core
 machines, the longest first in one lane, the shortest first in the other. While the file named
 by ``CPUSERVICE_LAB_SHARED_UNTIL`` does not exist (scripts/tiers.sh: the other tiers still run
-beside the lab), the second lane's boots run at niceness FILLER_NICE: they take what CPU the
-other tiers and the first lane's boot leave, and the first lane's boot keeps its share."""
+beside the lab), the second lane takes only the boots that may fill in (``Boot.filler``: quick to
+boot, nothing in them timed) and runs them at niceness FILLER_NICE: they take what CPU the other
+tiers and the first lane's boot leave, and the first lane's boot keeps its share."""
 
 from __future__ import annotations
 
@@ -82,6 +83,10 @@ class Boot:
     release: lab.Release = lab.BOOKWORM
     debs: lab.Release | None = None
     seconds: int = 60
+    # may run niced beside the other tiers (Scheduler.turn): a kernel that boots quickly and
+    # scenarios that time nothing. Run starved (niceness 10, a machine loaded by other
+    # sessions), the sid kernel did not boot within 300 s.
+    filler: bool = False
 
 
 # by the fixture that returns its Run
@@ -91,26 +96,27 @@ PLANNED = {
     "trixie_boot": Boot("trixie", plan.DEBIAN13, release=lab.TRIXIE, debs=lab.TRIXIE,
                         seconds=230),
     "modern_boot": Boot("modern", plan.MODERN, release=lab.SID, seconds=95),
-    "small_boot": Boot("small", plan.SMALL_SCENARIOS, plan.SMALL, seconds=30),
-    "near_boot": Boot("near", plan.NEAR_SCENARIOS, plan.NEAR, seconds=150),
+    "small_boot": Boot("small", plan.SMALL_SCENARIOS, plan.SMALL, seconds=30, filler=True),
+    "near_boot": Boot("near", plan.NEAR_SCENARIOS, plan.NEAR, seconds=150, filler=True),
 }
 
 
-# the niceness of a boot that fills in beside the other tiers (a weight of 110 to their 1024)
-FILLER_NICE = 10
+# the niceness of a boot that fills in beside the other tiers (a weight of 335 to their 1024)
+FILLER_NICE = 5
 
 
 @dataclass
 class Scheduler:
     """Runs the boots on threads, ``parallel()`` at a time: in the order they were asked for in
-    the first lane, from the end of that order in the others; while the other tiers run, those
-    others at FILLER_NICE (``turn``). Each one's Run (or its error) is a Future. Packages are
-    built once per release."""
+    the first lane, from the end of that order in the others; while the other tiers run, the
+    others take only the boots that may fill in, at FILLER_NICE (``turn``). Each one's Run (or
+    its error) is a Future. Packages are built once per release."""
 
     cond: threading.Condition = field(default_factory=threading.Condition)
     queue: list[str] = field(default_factory=list)
     running: int = 0
     fillers: int = 0  # running at FILLER_NICE
+    may_fill: set[str] = field(default_factory=set)
     futures: dict[str, Future[lab.Run]] = field(default_factory=dict)
     packages: dict[str, Future[list[Path]]] = field(default_factory=dict)
     scratch: list[Path] = field(default_factory=list)
@@ -131,15 +137,19 @@ class Scheduler:
             return None
         if self.running - self.fillers == 0:  # the first lane is free
             return 0 if self.queue[0] == name else None
-        if self.queue[-1] != name:
-            return None
-        return FILLER_NICE if self.shared() else 0
+        if not self.shared():
+            return 0 if self.queue[-1] == name else None
+        fill = [n for n in self.queue if n in self.may_fill]
+        return FILLER_NICE if fill and fill[-1] == name else None
 
-    def submit(self, name: str, task: Callable[[int], lab.Run]) -> Future[lab.Run]:
+    def submit(self, name: str, task: Callable[[int], lab.Run],
+               filler: bool = False) -> Future[lab.Run]:
         with self.cond:
             if name not in self.futures:
                 self.futures[name] = Future()
                 self.queue.append(name)
+                if filler:
+                    self.may_fill.add(name)
                 threading.Thread(target=self._run, args=(name, task), name=f"lab-{name}",
                                  daemon=True).start()
             return self.futures[name]
@@ -188,7 +198,7 @@ class Scheduler:
             files = self.debs(boot.debs) if boot.debs else []
             return lab.run(boot.scenarios, boot.shape, files=files, release=boot.release,
                            nice=nice)
-        return self.submit(boot.name, task)
+        return self.submit(boot.name, task, boot.filler)
 
     def cleanup(self) -> None:
         for out in self.scratch:
