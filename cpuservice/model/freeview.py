@@ -205,6 +205,27 @@ class FreeView:
         view._whole, view.spread, view._classes = whole, spread, classes
         return view
 
+    def again(self, new: Ledger, changed: list[tuple[Allocation, int]]) -> FreeView:
+        """The view of ``new``, this view's ledger after the bound allocations of ``changed``
+        left (-1) or came (1), many at once (Ledger.with_allocations): derived afresh, the
+        spread cores carried over."""
+        view = FreeView.build(self.topology, new)
+        spread = self.spread
+        if spread is not None and any(
+                a.request.options.policy == SPREAD_PCPUS for a, _ in changed):
+            spread = dict(spread)
+            core_of = self.topology.levels[3]
+            for a, sign in changed:
+                if a.request.options.policy == SPREAD_PCPUS:
+                    for c in a.whole.ids:
+                        left = spread.get(core_of[c], 0) + sign
+                        if left:
+                            spread[core_of[c]] = left
+                        else:
+                            del spread[core_of[c]]
+        view.spread = spread
+        return view
+
     def _spread_after(self, gone: Allocation | None, added: Allocation | None
                       ) -> dict[int, int] | None:
         """``spread`` less ``gone``'s and plus ``added``'s threads, where they are

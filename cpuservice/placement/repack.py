@@ -256,11 +256,10 @@ class _Search:
         owner = self.owners()
         freed = CPUSet(c for core in region.cores[:k] for c in self.topology.cores[core]
                        if c in owner)
-        ledger = self.ledger
-        for n in sorted({owner[c] for c in freed}):
-            a = ledger.allocations[n]
-            ledger = ledger.with_allocation(replace(a, whole=a.whole - freed))
-        return ledger, freed
+        allocations = self.ledger.allocations
+        return self.ledger.with_allocations([
+            replace(allocations[n], whole=allocations[n].whole - freed)
+            for n in sorted({owner[c] for c in freed})]), freed
 
     def fits(self, region: _Region, k: int) -> tuple[CPUSet, CPUSet] | None:
         """Where the request goes when the first ``k`` cores are made free, and the movable
@@ -304,10 +303,9 @@ class _Search:
         for c in vacate:
             out.setdefault(owner[c], CPUSet())
             out[owner[c]] = out[owner[c]] | CPUSet((c,))
-        ledger = self.ledger
-        for n, cpus in out.items():
-            a = ledger.allocations[n]
-            ledger = ledger.with_allocation(replace(a, whole=a.whole - cpus))
+        allocations = self.ledger.allocations
+        ledger = self.ledger.with_allocations([
+            replace(allocations[n], whole=allocations[n].whole - cpus) for n, cpus in out.items()])
         hide = room | (self.free & self._room_cores(vacate))
         moves = []
         for n in sorted(out, key=lambda n: (-len(out[n]), n)):
