@@ -11,7 +11,7 @@ checks that a carried view always equals one built from the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from cpuservice.model.cpuset import CPUSet
@@ -205,7 +205,7 @@ class FreeView:
         view._whole, view.spread, view._classes = whole, spread, classes
         return view
 
-    def again(self, new: Ledger, changed: list[tuple[Allocation, int]]) -> FreeView:
+    def again(self, new: Ledger, changed: Sequence[tuple[Allocation, int]]) -> FreeView:
         """The view of ``new``, this view's ledger after the bound allocations of ``changed``
         left (-1) or came (1), many at once (Ledger.with_allocations): derived afresh, the
         spread cores carried over."""
