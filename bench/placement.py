@@ -12,6 +12,7 @@ fragmentation_refusals=<n> repack_median_us=<f> repack_worst_us=<f>
     repack_ordered_worst_us cpus=1024 allocs=<n> requests=<n> repacked=<n> <float>
     repack_found_us cpus=128|1024 count=<n> p50=<f> p99=<f> max=<f>
     repack_refused_us cpus=128|1024 too_few=<n> fragmented=<n> count=<n> p50=<f> p99=<f> max=<f>
+    repack_found_us cpus=128 band=over ..., repack_refused_us cpus=128 band=over ...
     defragment cpus=1024 allocs=<n> moves=<n> whole_free_cores_before=<n> after=<n> us=<float>
     capacity_worst_us cpus=1024 <float>
     capacity_worst_us cpus=1024 isolated=8 <float>
@@ -76,7 +77,7 @@ from dataclasses import dataclass, field
 
 from bench.repack import fragmented_ledger
 from bench.repack import lines as repack_lines
-from bench.repack_refused import churn_refusals, probe_refusals
+from bench.repack_refused import OVER, churn_refusals, probe_refusals
 from cpuservice import placement
 from cpuservice.host.sysfs import discover
 from cpuservice.model import compat
@@ -458,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         for line in repack_lines(t1024):
             print(line, flush=True)
         for line in [*churn_refusals(epyc, seeds).lines(len(epyc.online)),
+                     *churn_refusals(epyc, seeds, band=OVER).lines(len(epyc.online),
+                                                                   " band=over"),
                      *probe_refusals(t1024, fragmented_ledger(t1024)).lines(1024)]:
             print(line, flush=True)
     if not args.churn_only:

@@ -5,7 +5,8 @@ requests there are too few free CPUs for as well as fragmented ones.
 - 128 CPUs: the churn of bench/placement.py (fixture c, core 0 reserved) with a share (0.3,
   as its re-packing lines) of the requests movable and the requested occupancy kept between
   80 % and 99 %, so that allocate refuses often; every refusal goes to ``repack`` (which
-  first checks ``fragmented`` itself, as the daemon calls it);
+  first checks ``fragmented`` itself, as the daemon calls it); and the same kept between 90 %
+  and 110 % (``band=over``), whose refusals include too few free CPUs;
 - 1,024 CPUs: the fragmented ledger of bench/repack.py, probed with full-pcpus and packed
   requests of 2 to 512 CPUs (with and without single-numa-node), the larger ones more than the
   free CPUs.
@@ -36,6 +37,10 @@ from cpuservice.model.topology import Topology
 from cpuservice.placement.repack import fragmented, repack
 
 BAND = (0.80, 0.99)
+# requested occupancy up to 110 %: refusals for too few free CPUs as well (the band above,
+# counting refused requests as live, leaves the placed ones short of the free CPUs: every
+# refusal there is one of fragmentation)
+OVER = (0.90, 1.10)
 SHARE = 0.3
 
 
@@ -81,18 +86,19 @@ class Tally:
             self.too_few += 1
         return None
 
-    def lines(self, cpus: int) -> list[str]:
-        return [f"repack_found_us cpus={cpus} {_stats(self.found)}",
-                f"repack_refused_us cpus={cpus} too_few={self.too_few} "
+    def lines(self, cpus: int, tag: str = "") -> list[str]:
+        return [f"repack_found_us cpus={cpus}{tag} {_stats(self.found)}",
+                f"repack_refused_us cpus={cpus}{tag} too_few={self.too_few} "
                 f"fragmented={self.fragmented} {_stats(self.refused)}"]
 
 
-def churn_refusals(topology: Topology, seeds: list[int], ops: int = 4000) -> Tally:
+def churn_refusals(topology: Topology, seeds: list[int], ops: int = 4000,
+                   band: tuple[float, float] = BAND) -> Tally:
     from bench.placement import churn_trace, with_movable  # bench.placement imports this
     tally = Tally()
     for seed in seeds:
         ledger = Ledger(topology.online, reserved=topology.cores[0])
-        warmup, trace = churn_trace(seed, len(ledger.allocatable), ops, band=BAND)
+        warmup, trace = churn_trace(seed, len(ledger.allocatable), ops, band=band)
         for op in with_movable(warmup, SHARE, seed):
             assert op.request is not None
             with contextlib.suppress(InsufficientCPUs):
