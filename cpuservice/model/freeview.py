@@ -11,7 +11,7 @@ checks that a carried view always equals one built from the ledger.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Protocol
 
 from cpuservice.model.cpuset import CPUSet
@@ -203,6 +203,27 @@ class FreeView:
             counts = {x: counts[x] for x in sorted(counts)}
         view = FreeView(self.topology, cells, counts, shared, free_isolated)
         view._whole, view.spread, view._classes = whole, spread, classes
+        return view
+
+    def again(self, new: Ledger, changed: Sequence[tuple[Allocation, int]]) -> FreeView:
+        """The view of ``new``, this view's ledger after the bound allocations of ``changed``
+        left (-1) or came (1), many at once (Ledger.with_allocations): derived afresh, the
+        spread cores carried over."""
+        view = FreeView.build(self.topology, new)
+        spread = self.spread
+        if spread is not None and any(
+                a.request.options.policy == SPREAD_PCPUS for a, _ in changed):
+            spread = dict(spread)
+            core_of = self.topology.levels[3]
+            for a, sign in changed:
+                if a.request.options.policy == SPREAD_PCPUS:
+                    for c in a.whole.ids:
+                        left = spread.get(core_of[c], 0) + sign
+                        if left:
+                            spread[core_of[c]] = left
+                        else:
+                            del spread[core_of[c]]
+        view.spread = spread
         return view
 
     def _spread_after(self, gone: Allocation | None, added: Allocation | None

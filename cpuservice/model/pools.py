@@ -155,6 +155,63 @@ class Ledger:
         return self._with(allocations, bound, gone, allocation if allocation.bound else None,
                           _borrows(allocation) - _borrows(before))
 
+    def with_allocations(self, changed: list[Allocation]) -> Ledger:
+        """with_allocation of each of ``changed`` (distinct names) in turn, as one change: the
+        mappings copied once, the exclusive CPUs, fragment pieces and borrowers carried over
+        as _with carries them, the free view derived again with its spread cores carried
+        (re-packing changes hundreds of allocations at once on 1,024 CPUs: a copy of the
+        mappings and of the view per allocation was most of a search)."""
+        if len(changed) == 1:
+            return self.with_allocation(changed[0])
+        allocations = _copy(self.allocations)
+        bound = _copy(self.bound)
+        known = self.__dict__
+        new = Ledger.__new__(Ledger)
+        new.__dict__.update(
+            online=known["online"], reserved=known["reserved"], isolated=known["isolated"],
+            granularity=known["granularity"], min_shared_cpus=known["min_shared_cpus"],
+            allocations=MappingProxyType(allocations), bound=MappingProxyType(bound),
+            keep=known["keep"])
+        gone: list[Allocation] = []
+        added: list[Allocation] = []
+        steps: list[tuple[Allocation, int]] = []  # in the order with_allocation would take
+        borrowers = 0
+        for a in changed:
+            before = allocations.get(a.name)
+            allocations[a.name] = a
+            old = bound.pop(a.name, None)
+            if old is not None:
+                gone.append(old)
+                steps.append((old, -1))
+            if a.bound:
+                bound[a.name] = a
+                added.append(a)
+                steps.append((a, 1))
+            borrowers += _borrows(a) - _borrows(before)
+        if "borrowers" in known:
+            new.__dict__["borrowers"] = known["borrowers"] + borrowers
+        if "exclusive" in known:  # whole CPUs never overlap: take the old ones, add the new
+            new.__dict__["exclusive"] = (known["exclusive"] - CPUSet.union_all(
+                a.whole for a in gone)) | CPUSet.union_all(a.whole for a in added)
+        if "fragment_pieces" in known:
+            pieces = known["fragment_pieces"]
+            if any(a.fragment for a, _ in steps):
+                pieces = dict(pieces)
+                for a, sign in steps:
+                    if a.fragment:
+                        left = pieces.get(a.fragment.cpu, 0) + sign * a.fragment.pieces
+                        if left:
+                            pieces[a.fragment.cpu] = left
+                        else:
+                            pieces.pop(a.fragment.cpu, None)
+            elif "fragment" in known:
+                new.__dict__["fragment"] = known["fragment"]
+            new.__dict__["fragment_pieces"] = pieces
+        view: FreeView | None = known.get("_free_view")
+        if view is not None and "exclusive" in new.__dict__ and "fragment_pieces" in new.__dict__:
+            new.__dict__["_free_view"] = view.again(new, steps)
+        return new
+
     def without(self, name: str) -> Ledger:
         allocations = _copy(self.allocations)
         before = allocations.pop(name)

@@ -27,13 +27,13 @@ left can beat the best result, or when the budget is spent.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import AllocationExists, InsufficientCPUs
 from cpuservice.model.pools import Allocation, Ledger
-from cpuservice.model.request import Policy, Request, validate_name
+from cpuservice.model.request import Movable, NumaAlignment, Policy, Request, validate_name
 from cpuservice.model.topology import Topology
 from cpuservice.placement.moves import Move, keeps, may_move, place
 from cpuservice.placement.whole import _new_allocation
@@ -83,7 +83,34 @@ def repack(topology: Topology, ledger: Ledger, name: str, request: Request,
         pass
     if not fragmented(ledger, request):
         return None
-    return _Search(topology, ledger, name, request, budget, allowed, safe).run()
+    movers = may_move(ledger, allowed)
+    if not in_reach(topology, ledger, request, movers):
+        return None
+    return _Search(topology, ledger, name, request, budget, movers, safe).run()
+
+
+def in_reach(topology: Topology, ledger: Ledger, request: Request,
+             movers: Mapping[str, Allocation]) -> bool:
+    """Whether moves of ``movers`` could give ``request`` room by count under the movement
+    rules, where count alone can say no: for single-numa-node, a node whose allocatable CPUs
+    plus the CPUs in it of movers that may leave it (movable=anywhere, or movable=node with
+    another node) are as many as its whole CPUs. A movable=node allocation within one node
+    moves inside it and frees nothing there; the request goes in one node or nowhere. (The
+    free CPUs plus every movable CPU, the machine's count, never says no once ``fragmented``
+    said yes: the refusals it could prune are those ``fragmented`` already turns away.)"""
+    if request.options.numa_alignment != NumaAlignment.SINGLE_NUMA_NODE:
+        return True
+    node_of = topology.levels[1]
+    room: dict[int, int] = {}
+    for c in ledger.allocatable:
+        room[node_of[c]] = room.get(node_of[c], 0) + 1
+    for a in movers.values():
+        nodes = {node_of[c] for c in a.held}
+        if a.request.options.movable == Movable.NODE and len(nodes) == 1:
+            continue
+        for c in a.whole:
+            room[node_of[c]] = room.get(node_of[c], 0) + 1
+    return max(room.values(), default=0) >= request.whole
 
 
 Key = tuple[int, int]  # a region: (level: 0 L3 group, 1 NUMA node, 2 socket, 3 machine; its id)
@@ -101,11 +128,11 @@ class _Region:
 
 class _Search:
     def __init__(self, topology: Topology, ledger: Ledger, name: str, request: Request,
-                 budget: int, allowed: Callable[[str], bool],
+                 budget: int, movers: dict[str, Allocation],
                  safe: Callable[[Ledger], bool]) -> None:
         self.topology, self.ledger, self.name, self.request = topology, ledger, name, request
         self.budget, self.safe = budget, safe
-        self.movers = may_move(ledger, allowed)
+        self.movers = movers
         self.owner = {c: n for n, a in self.movers.items() for c in a.whole}
         self.free = ledger.allocatable
         self.full = request.options.policy == Policy.FULL_PCPUS
@@ -256,11 +283,10 @@ class _Search:
         owner = self.owners()
         freed = CPUSet(c for core in region.cores[:k] for c in self.topology.cores[core]
                        if c in owner)
-        ledger = self.ledger
-        for n in sorted({owner[c] for c in freed}):
-            a = ledger.allocations[n]
-            ledger = ledger.with_allocation(replace(a, whole=a.whole - freed))
-        return ledger, freed
+        allocations = self.ledger.allocations
+        return self.ledger.with_allocations([
+            replace(allocations[n], whole=allocations[n].whole - freed)
+            for n in sorted({owner[c] for c in freed})]), freed
 
     def fits(self, region: _Region, k: int) -> tuple[CPUSet, CPUSet] | None:
         """Where the request goes when the first ``k`` cores are made free, and the movable
@@ -304,10 +330,9 @@ class _Search:
         for c in vacate:
             out.setdefault(owner[c], CPUSet())
             out[owner[c]] = out[owner[c]] | CPUSet((c,))
-        ledger = self.ledger
-        for n, cpus in out.items():
-            a = ledger.allocations[n]
-            ledger = ledger.with_allocation(replace(a, whole=a.whole - cpus))
+        allocations = self.ledger.allocations
+        ledger = self.ledger.with_allocations([
+            replace(allocations[n], whole=allocations[n].whole - cpus) for n, cpus in out.items()])
         hide = room | (self.free & self._room_cores(vacate))
         moves = []
         for n in sorted(out, key=lambda n: (-len(out[n]), n)):

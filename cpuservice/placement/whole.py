@@ -76,10 +76,8 @@ def bound_cpus(
             fragment = Fragment(cpu, pieces)
     taken = whole | CPUSet((fragment.cpu,)) if fragment else whole
     # len(taken & ledger.shared), without deriving the shared pool (the view counts it)
-    online, isolated = ledger.online.ids, ledger.isolated.ids
-    exclusive, pieces_on = ledger.exclusive.ids, ledger.fragment_pieces
-    from_shared = sum(c in online and c not in isolated and c not in exclusive
-                      and c not in pieces_on for c in taken)
+    from_shared = len(taken.ids.intersection(ledger.online.ids).difference(
+        ledger.isolated.ids, ledger.exclusive.ids, ledger.fragment_pieces))
     if from_shared > max(0, free.shared - ledger.min_shared_cpus):
         raise InsufficientCPUs(
             f"this would leave fewer than min_shared_cpus={ledger.min_shared_cpus} CPUs in the "

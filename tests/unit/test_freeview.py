@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import random
 from collections import Counter
+from dataclasses import replace
 from decimal import Decimal
 
 import pytest
@@ -17,7 +18,7 @@ from cpuservice import placement
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.errors import InsufficientCPUs, InvalidArgument
 from cpuservice.model.freeview import FreeView, classify
-from cpuservice.model.pools import Ledger
+from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
 from cpuservice.placement.free import spread_cores
@@ -141,3 +142,43 @@ def test_a_reserved_isolated_cpu_is_never_allocated(machine) -> None:
         taken |= set(a.whole.ids)
     assert 21 in taken and 20 not in taken
     assert_fresh(topology, ledger)
+
+
+@pytest.mark.parametrize("name", ["c", "d", "hybrid"])
+@settings(max_examples=examples(25))
+@given(seed=st.integers(0, 2**32 - 1))
+def test_many_changes_at_once_are_the_changes_in_turn(machine, name: str, seed: int) -> None:
+    """Ledger.with_allocations (re-packing's relaxed ledgers and evictions, issue 40) is
+    with_allocation of each in turn: the same allocations in the same order, the same pools
+    carried (exclusive, fragment pieces, borrowers) and a view equal to a derived one, spread
+    cores included."""
+    topology, rng = machine(name), random.Random(seed)
+    ledger = ledger_for(topology)
+    for i in range(40):
+        bind = rng.random() < 0.9
+        opts = {"bind": bind, "policy": rng.choice(POLICIES),
+                "borrow": not bind and rng.random() < 0.5}
+        cpus = str(rng.randint(1, 4)) if rng.random() < 0.7 else f"{rng.randint(0, 2)}.5"
+        with contextlib.suppress(InsufficientCPUs, InvalidArgument):
+            ledger, _ = placement.allocate(topology, ledger, f"a{i}", Request.parse(cpus, opts))
+    with contextlib.suppress(InsufficientCPUs, InvalidArgument):  # the spread cores asked for
+        placement.place(topology, ledger, Request.parse("1", {"bind": True}))
+    _ = ledger.exclusive, ledger.fragment_pieces, ledger.borrowers
+    names = sorted(ledger.allocations)
+    changed = []
+    for n in rng.sample(names, min(len(names), rng.randint(2, 12))):
+        a = ledger.allocations[n]
+        drop = CPUSet(c for c in a.whole if rng.random() < 0.5)
+        changed.append(replace(a, whole=a.whole - drop))
+    changed.append(Allocation("new", Request.parse("1", {"borrow": True})))  # a borrower
+    at_once = ledger.with_allocations(changed)
+    in_turn = ledger
+    for a in changed:
+        in_turn = in_turn.with_allocation(a)
+    assert list(at_once.allocations.items()) == list(in_turn.allocations.items())
+    assert list(at_once.bound.items()) == list(in_turn.bound.items())
+    assert at_once.exclusive == in_turn.exclusive
+    assert at_once.fragment_pieces == in_turn.fragment_pieces
+    assert at_once.borrowers == in_turn.borrowers
+    assert_fresh(topology, at_once)
+    assert at_once.free_view(topology).spread == in_turn.free_view(topology).spread

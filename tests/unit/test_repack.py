@@ -21,8 +21,8 @@ from cpuservice.model.pools import Allocation, Ledger, check_index, check_invari
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
 from cpuservice.placement.defrag import defragment, score, whole_free_cores
-from cpuservice.placement.moves import Move, movable, problems
-from cpuservice.placement.repack import fragmented, repack
+from cpuservice.placement.moves import Move, may_move, movable, problems
+from cpuservice.placement.repack import BUDGET, _Search, fragmented, in_reach, repack
 from tests.props import examples
 
 from .helpers import bind, ledger_for
@@ -171,6 +171,11 @@ def test_movable_node_stays_in_its_node_anywhere_may_leave(machine) -> None:
     node = _held(t, {"n0": "0", "n1": "1", "n2": "2", "n3": "3", "m": "4-7"},
                  min_shared=0, movable="node")
     assert repack(t, node, "x", eight) is None
+    # issue 40: that refusal needs no search: node-movable allocations within one node free
+    # nothing there, so no node can reach 8 CPUs; anywhere ones can leave theirs
+    assert not in_reach(t, node, eight, may_move(node, lambda _: True))
+    assert in_reach(t, anywhere, eight, may_move(anywhere, lambda _: True))
+    assert in_reach(t, node, four, may_move(node, lambda _: True))  # not single-numa-node
 
 
 def test_no_repack_when_it_fits_or_too_few_cpus_are_free(machine) -> None:
@@ -316,6 +321,11 @@ def test_repack_moves_only_what_may_move_and_keeps_every_rule(machine, name: str
             if found is not None:
                 assert fragmented(ledger, request)
                 check_result(t, ledger, "x", request, found)
+            elif fragmented(ledger, request):  # in_reach turns away only searches that fail
+                movers = may_move(ledger, lambda _: True)
+                if not in_reach(t, ledger, request, movers):
+                    assert _Search(t, ledger, "x", request, BUDGET, movers,
+                                   lambda _: True).run() is None
             continue
         assert repack(t, ledger, "x", request) is None  # it fits: never re-packed
 
