@@ -216,14 +216,18 @@ def _independent(a: Op, b: Op) -> bool:
     return not (ma[0] & mb[1] or mb[0] & ma[1])
 
 
-def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
+def groups(ops: Sequence[Op], effector: Effector,
+           batcher: Batching | bool | None = True) -> list[list[Op]]:
     """The operations as the effector runs them: one each, consecutive batched SETs of distinct
     units together (one call), consecutive STARTs of distinct units together (issued at
     once: new units wait for nobody, so none waits for another's job), and consecutive SETs of
     distinct units that do not depend on each other's order together (issued at once: the
-    shrinking holders of the shared pool, say)."""
+    shrinking holders of the shared pool, say). ``batcher``: the effector as a Batching one or
+    None, when the caller knows (True: find out; a runtime protocol check costs 8 us)."""
     out: list[list[Op]] = []
-    batched = effector.batched if isinstance(effector, Batching) else lambda unit: False
+    if batcher is True:
+        batcher = _batcher(effector)
+    batched = batcher.batched if isinstance(batcher, Batching) else lambda unit: False
 
     def joins(op: Op, group: list[Op]) -> bool:
         if any(o.unit == op.unit for o in group) or op.kind is not group[0].kind:
@@ -242,6 +246,10 @@ def groups(ops: Sequence[Op], effector: Effector) -> list[list[Op]]:
         else:
             out.append([op])
     return out
+
+
+def _batcher(effector: Effector) -> Batching | None:
+    return effector if isinstance(effector, Batching) else None
 
 
 async def run_op(effector: Effector, op: Op) -> None:
@@ -282,15 +290,15 @@ async def execute(tx: Transaction, effector: Effector) -> None:
     """Run the operations in order; when one fails, undo the ones done, newest first, and raise
     Failed. (A crash, BaseException, leaves what was done: startup reconciles it.)"""
     done: list[Op] = []
-    for group in groups(tx.ops, effector):
+    batcher = _batcher(effector)  # (once: 8 us each)
+    for group in groups(tx.ops, effector, batcher):
         op = group[0]
-        together = len(group) > 1 and not (isinstance(effector, Batching)
-                                           and effector.batched(op.unit))
+        together = len(group) > 1 and not (batcher is not None and batcher.batched(op.unit))
         try:
             if together:
                 await _run_all(effector, group, done)
-            elif len(group) > 1 and isinstance(effector, Batching):
-                await effector.set_many({o.unit: o.props for o in group})
+            elif len(group) > 1 and batcher is not None:
+                await batcher.set_many({o.unit: o.props for o in group})
             else:
                 await run_op(effector, op)
         except Exception as exc:
@@ -299,7 +307,7 @@ async def execute(tx: Transaction, effector: Effector) -> None:
             log.error("reconcile step '%s' failed (%s); undoing %d step(s)", op, exc, len(done))
             # a batched write (the kernel's interrupts and workqueues) may have been done in
             # part: not clean, so that the caller makes the units match what it observes
-            clean = not (isinstance(effector, Batching) and effector.batched(op.unit))
+            clean = not (batcher is not None and batcher.batched(op.unit))
             for earlier in reversed(done):
                 undo = inverse(earlier)
                 try:
