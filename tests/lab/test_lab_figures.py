@@ -29,8 +29,11 @@ def test_the_kernel_gives_every_figure(figures: dict[str, dict[str, Any]]) -> No
 def test_more_threads_than_cpus_is_pressure_and_pressured(
         figures: dict[str, dict[str, Any]]) -> None:
     pressure, pressured = figures["pressure"], figures["pressured"]
-    # the kernel updates avg10 every 2 s; each look is one busctl call in the emulated VM
-    assert pressure["seconds"] <= 4 and pressure["total_usec"] > 0, pressure
+    # the kernel updates avg10 every 2 s: the figure shows before the load's tasks have waited
+    # 5 s in all, by the kernel's own count of their waiting (total_usec). Seconds by the
+    # scenario's clock include starting the load's unit and each busctl look in the emulated VM,
+    # which a busy host stretches (1.9 s alone, 6.5 s beside another VM): bounded loosely.
+    assert 0 < pressure["total_usec"] <= 5_000_000 and pressure["seconds"] <= 20, pressure
     assert pressured["health"] == "degraded" and pressured["state"] == "active", pressured
     assert pressured["reason"].startswith("pressured: "), pressured
     assert figures["cleared"]["health"] == "ok", figures["cleared"]

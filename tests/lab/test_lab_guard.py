@@ -2,7 +2,7 @@
 tests/lab/scenarios/guard.py): armed under the unit's sandbox (PSI triggers written to the
 watched cpu.pressure files), busy loops in system.slice make a bound Allocate refused with
 SharedPoolStarving until the load stops, and an idle daemon with the guard armed costs nothing
-measurable over half a minute. In a whole lab run the scenario is part of the main boot; run alone,
+measurable over a minute. In a whole lab run the scenario is part of the main boot; run alone,
 this module boots just the service's installation and the scenario."""
 
 from __future__ import annotations
