@@ -99,7 +99,9 @@ async def watch(address: str, rule: str, seen: list[tuple[str, Any]]) -> Message
     client = await MessageBus(bus_address=address).connect()
 
     def on(msg: Message) -> bool:
-        if msg.message_type is MessageType.SIGNAL:
+        # (the bus's own NameAcquired comes to every new connection whatever its rules, and on
+        # a busy machine after this handler is added: gate 7 saw it first)
+        if msg.message_type is MessageType.SIGNAL and msg.interface != "org.freedesktop.DBus":
             seen.append((msg.member or "", msg.body[0] if msg.body else None))
         return False
 
