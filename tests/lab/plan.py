@@ -225,6 +225,7 @@ MAIN: dict[str, Scenario] = {
     "udev": Scenario(UDEV, 90),
     "sysfs": Scenario("python3 /payload/tests/lab/scenarios/sysfs_facts.py", 60),
     "polkit": Scenario(POLKIT, 60),
+    "deb": Scenario(DEB, 300),
     "install": Scenario(INSTALL, 300),
     "repair": Scenario(f"{HOTPLUG} repair", 150, ("install",)),
     "storm": Scenario(f"{HOTPLUG} storm", 300, ("install",)),
@@ -315,10 +316,7 @@ NEAR = Shape(sockets=2, cores=2, threads=1, nodes=2, memory_mb=1536, machine="q3
     "-netdev", "hubport,id=hp0,hubid=0",
     "-device", "virtio-net-pci,netdev=hp0,bus=pcie.0,mac=52:54:00:38:00:01",
 ), disks=(("nvme.img", 64),))
-# The Debian 12 package's install, upgrade, remove and purge (DEB) run first in this boot, which
-# fills in beside the other tiers (tests/lab/conftest.py): nothing in them is timed.
 NEAR_SCENARIOS: dict[str, Scenario] = {
-    "deb": Scenario(DEB, 300),
     "install": Scenario(INSTALL, 300),
     "near": Scenario("python3 /payload/tests/lab/scenarios/near.py check", 180, ("install",)),
 }

@@ -62,9 +62,9 @@ def check_purge(s: dict[str, str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def lifecycle(debs: list[Path], near_boot: lab.Run) -> dict[str, dict[str, str]]:
+def lifecycle(debs: list[Path], main_boot: lab.Run) -> dict[str, dict[str, str]]:
     assert [d.name for d in debs] == ["cpuservice_0.1.0_all.deb", "cpuservice_0.1.1_all.deb"]
-    result = near_boot.results["deb"]
+    result = main_boot.results["deb"]
     assert result.status == 0, result.output
     return sections(result.output)
 
