@@ -210,30 +210,24 @@ class FreeView:
         left (-1) or came (1), many at once (Ledger.with_allocations): derived afresh, the
         spread cores carried over."""
         view = FreeView.build(self.topology, new)
-        spread = self.spread
-        if spread is not None and any(
-                a.request.options.policy == SPREAD_PCPUS for a, _ in changed):
-            spread = dict(spread)
-            core_of = self.topology.levels[3]
-            for a, sign in changed:
-                if a.request.options.policy == SPREAD_PCPUS:
-                    for c in a.whole.ids:
-                        left = spread.get(core_of[c], 0) + sign
-                        if left:
-                            spread[core_of[c]] = left
-                        else:
-                            del spread[core_of[c]]
-        view.spread = spread
+        view.spread = self._spread_changed(changed)
         return view
 
     def _spread_after(self, gone: Allocation | None, added: Allocation | None
                       ) -> dict[int, int] | None:
         """``spread`` less ``gone``'s and plus ``added``'s threads, where they are
         spread-pcpus allocations."""
+        return self._spread_changed([(a, sign) for a, sign in ((gone, -1), (added, 1))
+                                     if a is not None])
+
+    def _spread_changed(self, changed: Sequence[tuple[Allocation, int]]
+                        ) -> dict[int, int] | None:
+        """``spread`` with the threads of ``changed``'s spread-pcpus allocations taken away
+        (-1) or added (1)."""
         if self.spread is None:
             return None
-        changed = [(a, sign) for a, sign in ((gone, -1), (added, 1))
-                   if a is not None and a.request.options.policy == SPREAD_PCPUS]
+        changed = [(a, sign) for a, sign in changed
+                   if a.request.options.policy == SPREAD_PCPUS]
         if not changed:
             return self.spread
         spread = dict(self.spread)
