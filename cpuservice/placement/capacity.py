@@ -93,12 +93,8 @@ def _count(free: Free, request: Request) -> int:
     for count in range(total + 1):  # every step takes at least one free CPU
         phase = _phase(free)
         try:
-            whole = choose.take_whole(free, n)
-            fragment, fresh = choose.take_fragment(free, pieces, whole) if pieces else (None, False)
+            whole, fragment, fresh = choose.take(free, n, pieces)
         except InsufficientCPUs:
-            return count
-        taken = [*whole, fragment] if fresh and fragment is not None else whole
-        if free.from_shared(taken) > free.budget():
             return count
         free.take(whole, fragment, fresh, pieces)
         if _phase(free) != phase:

@@ -2,20 +2,20 @@
 Free view. The one engine: allocate, resize and repair make one choice on a fresh view, capacity
 counts choices on one view until one fails. Pure.
 
-Whole CPUs: exclusivity (numa falls back to pcpu), free isolated CPUs first, the NUMA nodes
-(nodes.py), then the policy's pick inside them (pack.py). Where nothing is near, the pick is
-followed down socket, node and L3 group on the counts per cell and run only on the cell it
+Whole CPUs here, the fragment's CPU in fragment.py, both within the shared pool's floor in
+``take``. Whole CPUs: exclusivity (numa falls back to pcpu), free isolated CPUs first, the NUMA
+nodes (nodes.py), then the policy's pick inside them (pack.py). Where nothing is near, the pick
+is followed down socket, node and L3 group on the counts per cell and run only on the cell it
 reaches (the same result as running it on every candidate, without looking at them)."""
 
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import InsufficientCPUs
-from cpuservice.model.pools import Ledger
 from cpuservice.model.request import (
     Exclusive,
     NumaAlignment,
@@ -23,11 +23,11 @@ from cpuservice.model.request import (
     Options,
     Policy,
 )
+from cpuservice.placement.fragment import STRICT_ALIGNMENT, _take_fragment, take_fragment
 from cpuservice.placement.free import ANY, FAR, LOCKED, MINE, NEAR, NOT_MINE, Cell, Free
 from cpuservice.placement.nodes import _nodes_for, _quotas
-from cpuservice.placement.pack import _pick, _take, no_whole_cores, pack, whole_core_step
-
-STRICT_ALIGNMENT = (NumaAlignment.RESTRICTED, NumaAlignment.SINGLE_NUMA_NODE)
+from cpuservice.placement.pack import _pick, _take, no_whole_cores, whole_core_step
+from cpuservice.placement.refusals import floor, refusal, shortage, too_few
 
 
 def attempts(opts: Options) -> tuple[Exclusive, ...]:
@@ -94,13 +94,6 @@ def _near_whole(free: Free, n: int, anchor: CPUSet, marks: str) -> list[int]:
     return _take_whole(free, n, anchor, marks)
 
 
-def refusal(free: Free) -> str:
-    """What near-policy required keeps to, naming the devices and their nodes."""
-    where = ", ".join(f"{d.name} (NUMA node {d.node})" for d in free.devices
-                      if d.node is not None and d.node >= 0)
-    return f"near-policy required: only the CPUs next to {where}"
-
-
 def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
     error: InsufficientCPUs | None = None
     # a restricted (NEAR) try of near-policy preferred finds its own exclusive=numa failures;
@@ -149,7 +142,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
     near = anchor.ids
     available = sum(counts.values())
     if available < n:
-        raise shortage(free.ledger, _too_few(n, available, opts.policy))
+        raise shortage(free.ledger, too_few(n, available, opts.policy))
     if opts.numa_alignment != NumaAlignment.NONE and len(topology.nodes) > 1:
         nodes = _nodes_for(topology, free.ledger, counts, n, opts, anchor)
         if opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(nodes) > 1:
@@ -288,99 +281,52 @@ def _node(free: Free, counts: Mapping[int, int], n: int) -> int | None:
     return min(fitting, key=lambda x: (inside[x], x)) if fitting else None
 
 
-def take_fragment(free: Free, pieces: int, whole: Collection[int]) -> tuple[int, bool]:
-    """A CPU with ``pieces`` free pieces near ``whole`` (the allocation's whole CPUs), and
-    whether it is fresh (no fragment uses it yet): _take_fragment, with option near only among
-    the CPUs next to the devices (required), or there first (preferred, unless the whole CPUs
-    are elsewhere already); never on a core kept for others' devices, or (when-full) only when
-    no other CPU has room."""
+def take(free: Free, n: int, pieces: int, anchor: CPUSet = EMPTY, prefer: int | None = None
+         ) -> tuple[list[int], int | None, bool]:
+    """One bound allocation's choice: ``n`` more whole CPUs (take_whole) beside ``anchor``
+    (what it holds already), and a CPU for a fragment of ``pieces`` (none for 0) near all of
+    them (take_fragment; ``prefer``: the fragment CPU it had, when that still has room), and
+    whether that CPU is fresh; leaving the shared pool its min_shared_cpus. The floor is part
+    of the choice: a fragment joins an existing fragment CPU rather than take the pool's last
+    CPU. Where the choice fails and the request's preferences have a fallback (near-policy
+    preferred, cores kept for others when-full), the same choice without them: a preference
+    never refuses what fits without it. allocate, resize and capacity all choose here."""
     try:
-        return _near_fragment(free, pieces, whole, free.locked)
-    except InsufficientCPUs:
-        if not (free.soft and free.locked):
+        return _choice(free, n, pieces, anchor, prefer, relaxed=False)
+    except InsufficientCPUs as exc:
+        if not ((free.near is not None and not free.near_required)
+                or (free.soft and free.locked)):
             raise
-    return _near_fragment(free, pieces, whole, frozenset())
+        first = exc
+    try:
+        return _choice(free, n, pieces, anchor, prefer, relaxed=True)
+    except InsufficientCPUs:
+        raise first from None
 
 
-def _near_fragment(free: Free, pieces: int, whole: Collection[int], avoid: frozenset[int]
-                   ) -> tuple[int, bool]:
-    if free.near is None:
-        return _take_fragment(free, pieces, whole, None, avoid)
-    if free.near_required or free.near.issuperset(whole):
-        try:
-            return _take_fragment(free, pieces, whole, free.near, avoid)
-        except InsufficientCPUs as exc:
-            if free.near_required:
-                raise InsufficientCPUs(f"{refusal(free)}: {exc}") from None
-    return _take_fragment(free, pieces, whole, None, avoid)
-
-
-def _take_fragment(free: Free, pieces: int, whole: Collection[int],
-                   only: frozenset[int] | None, avoid: frozenset[int] = frozenset()
-                   ) -> tuple[int, bool]:
-    """A CPU with ``pieces`` free pieces near ``whole``, one of ``only`` (None: any), none of
-    ``avoid``.
-
-    An existing fragment CPU that is an SMT sibling of, shares an L3 with or sits on the NUMA
-    node of the whole CPUs comes first (fewest free pieces first); then a fresh CPU from the
-    shared pool, nearest first; then any fragment CPU with room (unless NUMA alignment forbids
-    it). Without whole CPUs: the fullest fragment CPU with room, else a fresh CPU.
-    """
-    topology = free.topology
-    rooms = free.rooms if only is None else {c: r for c, r in free.rooms.items() if c in only}
-    if avoid:
-        rooms = {c: r for c, r in rooms.items() if c not in avoid}
-    anchor = frozenset(whole)
-    blocked = anchor | avoid if avoid else anchor
-
-    def allowed(cs: Iterable[int]) -> list[int]:
-        return [c for c in cs if c not in blocked and (only is None or c in only)]
-
-    if anchor:
-        core_of, l3_of, node_of = free.core_of, free.l3_of, free.node_of
-        cores = {core_of[c] for c in anchor}
-        l3s = {l3_of[c] for c in anchor}
-        nodes = {node_of[c] for c in anchor}
-        # existing fragment CPUs by rank (sibling, same L3, same node), fewest free pieces first
-        for near in ([c for k in cores for c in topology.cores[k] if c in rooms],
-                     [c for g in l3s for c in free.fragments_in(2, g)],
-                     [c for x in nodes for c in free.fragments_in(1, x)]):
-            existing = [c for c in allowed(near) if rooms[c] >= pieces]
-            if existing:
-                return min(existing, key=lambda c: (rooms[c], c)), False
-        takeable = free.takeable()
-        for near in ([c for k in cores for c in topology.cores[k]],
-                     [c for g in l3s for c in topology.l3_groups[g]]):
-            fresh = [c for c in allowed(near) if c in takeable]
-            if fresh:
-                return pack(topology, fresh, 1, anchor)[0], True
-        fresh = allowed(c for c in takeable if node_of[c] in nodes)
-        if fresh:
-            return pack(topology, fresh, 1, anchor)[0], True
-        if free.opts.numa_alignment not in STRICT_ALIGNMENT:
-            fresh = allowed(c for c in takeable if node_of[c] not in nodes)
-            if fresh:
-                return pack(topology, fresh, 1, anchor)[0], True
-    existing = [c for c, room in rooms.items() if room >= pieces and c not in anchor]
-    if existing and (not anchor or free.opts.numa_alignment not in STRICT_ALIGNMENT):
-        return min(existing, key=lambda c: (rooms[c], c)), False
-    if not anchor:
-        fresh = allowed(free.takeable())
-        if fresh:
-            return pack(topology, fresh, 1, anchor)[0], True
-    raise shortage(free.ledger,
-                   f"no CPU has {pieces} free pieces (of {free.g}) for this fragment")
-
-
-def _too_few(n: int, available: int, policy: str) -> str:
-    """The shortage message; counts CPUs, never cores."""
-    where = "on whole free cores " if policy == Policy.FULL_PCPUS else ""
-    return f"{n} CPUs requested but only {available} CPUs {where}are available"
-
-
-def shortage(ledger: Ledger, message: str) -> InsufficientCPUs:
-    if not ledger.shared_budget:
-        message += (
-            f"; the shared pool is at its minimum (min_shared_cpus={ledger.min_shared_cpus})"
-        )
-    return InsufficientCPUs(message)
+def _choice(free: Free, n: int, pieces: int, anchor: CPUSet, prefer: int | None,
+            relaxed: bool) -> tuple[list[int], int | None, bool]:
+    """take, with the request's preferences (relaxed: without near-policy preferred, and
+    with the cores kept for others when-full)."""
+    if not relaxed:
+        whole = take_whole(free, n, anchor)
+    elif free.near is not None and free.near_required:
+        whole = _near_whole(free, n, anchor, ANY if free.locked else "")
+    else:
+        whole = _take_whole(free, n, anchor, ANY if free.locked else "")
+    left = free.budget() - free.from_shared(whole) - free.leaving(anchor)
+    if left < 0:
+        raise floor(free, left)
+    if not pieces:
+        return whole, None, False
+    near = anchor.ids.union(whole) if anchor else whole
+    if prefer is not None and prefer not in near and free.rooms.get(prefer, free.g) >= pieces:
+        fresh = prefer not in free.rooms
+        if not fresh or free.from_shared((prefer,)) <= left:
+            return whole, prefer, fresh
+    if relaxed:
+        only = free.near if free.near is not None and free.near_required else None
+        cpu, fresh = _take_fragment(free, pieces, near, only, frozenset(), left)
+    else:
+        cpu, fresh = take_fragment(free, pieces, near, left)
+    return whole, cpu, fresh

@@ -325,6 +325,16 @@ class Free:
         """How many of ``taken`` (free CPUs) leave the shared pool."""
         return sum(c not in self.isolated for c in taken)
 
+    def leaving(self, cpus: CPUSet) -> int:
+        """How many of ``cpus`` (CPUs an allocation holds already, which the ledger no longer
+        counts as held) leave the shared pool: len(cpus & ledger.shared), without deriving the
+        shared pool."""
+        if not cpus:
+            return 0
+        ledger = self.ledger
+        return len(cpus.ids.intersection(ledger.online.ids).difference(
+            ledger.isolated.ids, ledger.exclusive.ids, ledger.fragment_pieces))
+
     def take(self, whole: list[int], fragment: int | None, fresh: bool, pieces: int) -> None:
         """Hold ``whole`` and ``pieces`` of ``fragment`` (``fresh``: a CPU no fragment used) as
         one more allocation of these options would; only the cells touched are looked at

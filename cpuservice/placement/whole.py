@@ -7,6 +7,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 import cpuservice.placement.choose as choose
+import cpuservice.placement.fragment as fragment
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import (
     InsufficientCPUs,
@@ -56,34 +57,17 @@ def bound_cpus(
     n = request.whole
     _check_policy(topology, request)
     free = Free(topology, ledger, opts, keep)
+    pieces = int(request.fraction * ledger.granularity)
+    prefer = keep_fragment.cpu if keep_fragment is not None and keep_fragment.cpu in \
+        ledger.online else None
     if n <= len(keep):
         whole = CPUSet(_pick(topology, keep.ids, n, frozenset(), opts.policy))
+        _, cpu, _ = choose.take(free, 0, pieces, whole, prefer)
     else:
-        chosen = CPUSet._trusted(frozenset(choose.take_whole(free, n - len(keep), keep)))
-        whole = keep | chosen if keep else chosen  # CPUs of the topology: no check needed
-    fragment = None
-    pieces = int(request.fraction * ledger.granularity)
-    if pieces:
-        if (
-            keep_fragment is not None
-            and keep_fragment.cpu in ledger.online
-            and keep_fragment.cpu not in whole
-            and ledger.free_pieces(keep_fragment.cpu) >= pieces
-        ):
-            fragment = Fragment(keep_fragment.cpu, pieces)
-        else:
-            cpu, _ = choose.take_fragment(free, pieces, whole.ids)
-            fragment = Fragment(cpu, pieces)
-    taken = whole | CPUSet((fragment.cpu,)) if fragment else whole
-    # len(taken & ledger.shared), without deriving the shared pool (the view counts it)
-    from_shared = len(taken.ids.intersection(ledger.online.ids).difference(
-        ledger.isolated.ids, ledger.exclusive.ids, ledger.fragment_pieces))
-    if from_shared > max(0, free.shared - ledger.min_shared_cpus):
-        raise InsufficientCPUs(
-            f"this would leave fewer than min_shared_cpus={ledger.min_shared_cpus} CPUs in the "
-            f"shared pool ({len(ledger.shared)} now, {from_shared} needed from it)"
-        )
-    return whole, fragment
+        chosen, cpu, _ = choose.take(free, n - len(keep), pieces, keep, prefer)
+        whole = CPUSet._trusted(frozenset(chosen))  # CPUs of the topology: no check needed
+        whole = keep | whole if keep else whole
+    return whole, Fragment(cpu, pieces) if cpu is not None else None
 
 
 def _check_policy(topology: Topology, request: Request) -> None:
@@ -127,6 +111,6 @@ def take_fragment(
     topology: Topology, ledger: Ledger, opts: Options, pieces: int, anchor: CPUSet
 ) -> Fragment:
     """A CPU with ``pieces`` free pieces, near ``anchor`` (the allocation's whole CPUs): see
-    choose.take_fragment."""
-    cpu, _ = choose.take_fragment(Free(topology, ledger, opts), pieces, anchor.ids)
+    fragment.take_fragment."""
+    cpu, _ = fragment.take_fragment(Free(topology, ledger, opts), pieces, anchor.ids)
     return Fragment(cpu, pieces)

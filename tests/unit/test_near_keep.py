@@ -421,15 +421,14 @@ def test_repacking_moves_nobody_onto_kept_cores(machine) -> None:
     assert g.whole <= ledger.keep.cpus
 
 
-@pytest.mark.xfail(strict=True, reason="issue 38/40: the shared pool's floor (min_shared_cpus) "
-                   "is checked after the choice, so when-full does not fall back to a kept core")
 def test_when_full_takes_a_kept_core_before_the_shared_pools_last_cpu(machine) -> None:
     """Found by make test-explore (seed 4255534168): under when-full, 1.5 CPUs are refused with
     "fewer than min_shared_cpus=1 CPUs in the shared pool (2 now, 2 needed from it)", though they
     fit when no core is kept. The whole CPU and the fragment are chosen away from the kept cores
-    first and the floor is checked after: the choice that joins a fragment CPU on a kept core,
-    taking nothing from the pool, is never tried. A known defect, not fixed yet: this test fails
-    until it is (strict xfail), then its mark must go."""
+    first and the floor was checked after: the choice that joins a fragment CPU on a kept core,
+    taking nothing from the pool, was never tried. Now the floor is part of the choice
+    (choose.take): the fragment joins a fragment CPU rather than take the pool's last CPU, and
+    a choice that fails is made again without the preference."""
     test_others_take_kept_cores_never_or_only_when_nothing_else_fits.hypothesis.inner_test(
         machine, "b", steps=18, seed=84083457, rules=[(0, 2)], ask=(1, 50, "none", {}),
         others=WHEN_FULL)

@@ -281,13 +281,10 @@ def test_required_never_leaves_the_devices_and_preferred_only_when_full(
             placement.allocate(topology, ledger, "g", strict)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 38/40: the shared pool's floor (min_shared_cpus) "
-                   "is checked after the choice, so preferred does not fall back off the devices")
 def test_preferred_leaves_the_devices_before_the_shared_pools_last_cpu(machine) -> None:
     """Found by make test-explore (seed 4255534168), on the SNC shape: a preferred near request
     for 1.5 CPUs is refused with "fewer than min_shared_cpus=1 CPUs in the shared pool", where a
-    placement away from the device fits. The floor is checked after the choice near the device,
-    so the fallback is never tried. A known defect, not fixed yet: this test fails until it is
-    (strict xfail), then its mark must go."""
+    placement away from the device fits. The floor was checked after the choice near the device,
+    so the fallback was never tried. Now the floor is part of the choice (choose.take)."""
     test_required_never_leaves_the_devices_and_preferred_only_when_full.hypothesis.inner_test(
         machine, "snc", steps=30, seed=33620224, nodes=[3], shape=(1, 50, "preferred", {}))

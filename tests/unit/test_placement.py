@@ -308,3 +308,25 @@ def test_min_shared_cpus(machine) -> None:
     with pytest.raises(InsufficientCPUs, match="min_shared_cpus"):
         placement.allocate(t, ledger, "b", bind("0.5"))
     assert Ledger(t.online, min_shared_cpus=0).shared_budget == 8
+
+
+def test_a_fragment_joins_a_fragment_cpu_rather_than_take_the_pools_last_cpu(machine) -> None:
+    """The shared pool's floor is part of the choice: 1.5 CPUs where 2 are shared and
+    min_shared_cpus is 1 take one of them whole and join the fragment CPU on the other node,
+    rather than be refused for taking both (the fragment's nearest fresh CPU). Capacity counts
+    the same; with alignment restricted the fragment may not leave the node, and the refusal
+    names the floor."""
+    t = machine("b")
+    ledger, _ = alloc(t, ledger_for(t, min_shared_cpus=1), "f", bind("0.5"))
+    assert ledger.fragment == CPUSet.parse("0")
+    ledger, _ = alloc(t, ledger, "w", bind("13", cpuset="1-13"))
+    assert ledger.shared == CPUSet.parse("14-15")
+    new, a = alloc(t, ledger, "x", bind("1.5"))
+    assert len(a.whole) == 1 and a.whole <= CPUSet.parse("14-15")
+    assert a.fragment is not None and a.fragment.cpu == 0
+    assert len(new.shared) == 1
+    check_invariants(new)
+    assert placement.capacity(t, ledger, bind("1.5")) == 1
+    with pytest.raises(InsufficientCPUs,
+                       match=r"min_shared_cpus=1 CPUs in the shared pool \(2 now, 2 needed"):
+        placement.allocate(t, ledger, "x", bind("1.5", numa_alignment="restricted"))
