@@ -3,6 +3,7 @@ calls, one-line errors that name the fix, and the polkit text agent on a termina
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import select
@@ -10,7 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from typing import Any
 
 from dbus_fast import BusType, MessageFlag, Variant
@@ -28,6 +29,12 @@ OBJECT_MANAGER = "org.freedesktop.DBus.ObjectManager"
 NO_QUOTA = 2**64 - 1
 UNLIMITED = 2**32 - 1
 SYSTEM_BUS = "/run/dbus/system_bus_socket"
+# the unit the bus starts for DEST (SystemdService= in dbus/org.cpuservice1.service)
+SERVICE_UNIT = "cpuservice.service"
+SYSTEMD = ("org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+           "org.freedesktop.systemd1.Manager")
+# how often a call that activates the service looks whether its unit failed meanwhile
+ACTIVATION_POLL_SECONDS = 0.25
 
 # exit codes, as cpuservicectl documents them
 EXIT_FAILURE, EXIT_USAGE, EXIT_NO_SUCH, EXIT_NO_CPUS, EXIT_DENIED = 1, 2, 4, 5, 13
@@ -99,6 +106,7 @@ class Client:
         self.interactive = interactive
         self.flags = MessageFlag.ALLOW_INTERACTIVE_AUTHORIZATION if interactive else \
             MessageFlag.NONE
+        self.owned = False  # DEST has an owner (so a call needs no activation)
 
     @classmethod
     async def connect(cls, address: str | None = None, interactive: bool = True) -> Client:
@@ -112,8 +120,61 @@ class Client:
         self, member: str, signature: str = "", body: Sequence[Any] = (), path: str = PATH,
         interface: str = MANAGER, destination: str = DEST,
     ) -> list[Any]:
-        return await dbuscall.call(self.bus, destination, path, interface, member, signature,
-                                   body, self.flags)
+        reply = dbuscall.call(self.bus, destination, path, interface, member, signature, body,
+                              self.flags)
+        if destination != DEST or self.owned:
+            return await reply
+        return await self._activating(reply)
+
+    async def _activating(self, reply: Coroutine[Any, Any, list[Any]]) -> list[Any]:
+        """A call to the service while nobody owns its name: the bus starts the unit. If the
+        unit fails before it takes the name, dbus-daemon never hears of it and answers only
+        after its 25 s activation timeout (systemd issue 28877), so meanwhile the unit is
+        watched: a new start of it that failed ends the call at once, with what systemd says."""
+        (owned,) = await dbuscall.call(self.bus, *dbuscall.BUS, "NameHasOwner", "s", [DEST])
+        if owned:
+            self.owned = True
+            return await reply
+        before = await self._unit_state()
+        task = asyncio.ensure_future(reply)
+        try:
+            while before is not None:
+                done, _ = await asyncio.wait({task}, timeout=ACTIVATION_POLL_SECONDS)
+                if done:
+                    break
+                now = await self._unit_state()
+                if now is not None and now[0] != before[0] and now[1] in ("failed", "inactive"):
+                    raise dbuscall.CallError(
+                        "org.freedesktop.DBus.Error.Spawn.ChildExited",
+                        f"{SERVICE_UNIT} {now[1]} as it started ({await self._result(now[2])})")
+            result = await task
+        finally:
+            task.cancel()
+        self.owned = True
+        return result
+
+    async def _unit_state(self) -> tuple[bytes, str, str] | None:
+        """The unit's InvocationID (new at each start), ActiveState and object path; None when
+        systemd does not know it or cannot say (no systemd on this bus)."""
+        try:
+            (path,) = await dbuscall.call(self.bus, *SYSTEMD, "LoadUnit", "s", [SERVICE_UNIT])
+            (values,) = await dbuscall.call(self.bus, SYSTEMD[0], path, PROPERTIES, "GetAll",
+                                            "s", ["org.freedesktop.systemd1.Unit"])
+        except dbuscall.CallError:
+            return None
+        if unwrap(values.get("LoadState")) != "loaded":
+            return None
+        return (bytes(unwrap(values.get("InvocationID")) or b""),
+                str(unwrap(values.get("ActiveState"))), str(path))
+
+    async def _result(self, path: str) -> str:
+        """The service's Result (exit-code, signal, start-limit-hit, ...), as words."""
+        try:
+            (value,) = await dbuscall.call(self.bus, SYSTEMD[0], path, PROPERTIES, "Get", "ss",
+                                           ["org.freedesktop.systemd1.Service", "Result"])
+        except dbuscall.CallError:
+            return "result unknown"
+        return f"result: {unwrap(value)}"
 
     async def properties(self, path: str = PATH, interface: str = MANAGER,
                          destination: str = DEST) -> dict[str, Any]:

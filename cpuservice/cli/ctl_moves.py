@@ -7,7 +7,7 @@ from typing import Any
 
 from cpuservice.cli.client import Client
 from cpuservice.cli.ctl_output import JsonMode, dumps, table
-from cpuservice.model.request import Movable
+from cpuservice.model.vocab import Movable
 
 COMMANDS = ("defrag", "movable")
 

@@ -80,14 +80,16 @@ def looks(names: tuple[str, ...], health: bool = True) -> dict:  # type: ignore[
 
 def until(what: str, names: tuple[str, ...], test,  # type: ignore[no-untyped-def]
           seconds: float = 90.0, health: bool = True) -> dict:  # type: ignore[type-arg]
-    """Poll ``test(looks(names, health))`` every 0.2 s until it holds; the looks then."""
+    """Poll ``test(looks(names, health))`` until it holds; the looks then. Every 0.2 s for
+    the first 3 s, then every second: each look starts processes, which under emulation cost
+    the host a core while they run."""
     start = time.monotonic()
     last: dict = {}  # type: ignore[type-arg]
     while time.monotonic() - start < seconds:
         last = looks(names, health)
         if test(last):
             return last
-        time.sleep(0.2)
+        time.sleep(0.2 if time.monotonic() - start < 3 else 1.0)
     fail(f"{what} (not within {seconds:.0f} s); last: {json.dumps(last)}")
     raise AssertionError  # (fail exits)
 
