@@ -47,13 +47,31 @@ WAKE = Path("/run/lending-wake")  # a FIFO: the spinners sleep in open() until i
 PIN = Path("/run/lending-pin")  # the same for the spinner pinned to one CPU
 PIN_WAKE = Path("/run/lending-pin-wake")
 # no CPU time at all while idle (a look every few ms would be a load of its own under TCG):
-# blocked until the FIFO is opened for writing, then busy while the flag file exists
+# blocked until the FIFO is opened for writing, then busy while the flag file exists; it
+# creates its ready file first, once Python has started (seconds of a busy CPU under TCG,
+# and longer when the host is loaded: the time until the owner is lent starts after that)
 SPINNER = """import os
+open({ready!r}, "a").close()
 while True:
     os.close(os.open({wake!r}, os.O_RDONLY))
     while os.path.exists({flag!r}):
         pass
 """
+
+
+def ready(name: str) -> Path:
+    """The file a spinner creates once its Python has started."""
+    return Path(f"/run/lending-ready-{name}")
+
+
+async def started(*names: str, seconds: float = 120.0) -> None:
+    """Until the spinners ``names`` have started and are about to sleep."""
+    end = time.monotonic() + seconds
+    while not all(ready(n).exists() for n in names):
+        if time.monotonic() > end:
+            raise SystemExit(f"FAILED STEP: the spinners {', '.join(names)} did not start "
+                             f"within {seconds:.0f} s")
+        await asyncio.sleep(0.1)
 
 
 def run(*argv: str) -> str:
@@ -144,8 +162,11 @@ class Lab:
         os.mkfifo(WAKE)
         os.mkfifo(PIN_WAKE)
         for i in range(2):  # asleep until woken: then each keeps a CPU busy while SPIN is
+            ready(f"spin{i}").unlink(missing_ok=True)
             run("systemd-run", f"--slice={self.owner_unit}", f"--unit=lend-spin{i}",
-                "python3", "-c", SPINNER.format(wake=str(WAKE), flag=str(SPIN)))
+                "python3", "-c", SPINNER.format(wake=str(WAKE), flag=str(SPIN),
+                                                ready=str(ready(f"spin{i}"))))
+        await started("spin0", "spin1")
         # one integer method: the default cycles through methods whose vector instructions
         # QEMU's software CPU claims but does not implement (SIGILL)
         run("systemd-run", "--slice=cpuservice-borrow-borrower.slice", "--unit=lend-borrower",
@@ -229,10 +250,13 @@ class Lab:
         except OSError as exc:  # ENXIO: no spinner is waiting
             raise SystemExit(f"FAILED STEP: no spinner to wake: {exc}") from None
 
-    def pinned(self, cpu: int) -> None:
+    async def pinned(self, cpu: int) -> None:
         """One more spinner of the owner, pinned to ``cpu``, asleep until pin() wakes it."""
+        ready("pinned").unlink(missing_ok=True)
         run("systemd-run", f"--slice={self.owner_unit}", "--unit=lend-pinned", "taskset", "-c",
-            str(cpu), "python3", "-c", SPINNER.format(wake=str(PIN_WAKE), flag=str(PIN)))
+            str(cpu), "python3", "-c", SPINNER.format(wake=str(PIN_WAKE), flag=str(PIN),
+                                                      ready=str(ready("pinned"))))
+        await started("pinned")
 
     def pin(self) -> None:
         PIN.touch()
@@ -387,7 +411,7 @@ async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
 async def check(c: Client) -> None:
     lab = Lab(c)
     await lab.setup()
-    lab.pinned(min(lab.cpus))
+    await lab.pinned(min(lab.cpus))
     try:
         took = await lab.wait_lent()
         # the borrower spreads onto them: seen within 2 s on a quiet host, but its workers may
