@@ -250,6 +250,8 @@ def resolve(reading: Reading, previous: Topology | None = None) -> Topology:
                 inferred.add(c)  # half-way online: read again at the next event
             raw[c] = place
         elif known and previous:
+            if c in online:  # half-way online: refresh() reads everything again next time
+                notes[c] = "online, but its topology could not be read: kept where it was"
             kept = known.node in node_ids or known.node in previous.pseudo_nodes
             where = node_of.get(c, known.node if kept else None)
             raw[c] = _Place(_peer_key(previous, fresh, c, "core") or ("previous core", known.core),

@@ -308,12 +308,14 @@ def _choice(free: Free, n: int, pieces: int, anchor: CPUSet, prefer: int | None,
             relaxed: bool) -> tuple[list[int], int | None, bool]:
     """take, with the request's preferences (relaxed: without near-policy preferred, and
     with the cores kept for others when-full)."""
+    # relaxed, cores kept for others are candidates only when-full (soft); never stays never
+    marks = ANY if free.soft and free.locked else ""
     if not relaxed:
         whole = take_whole(free, n, anchor)
     elif free.near is not None and free.near_required:
-        whole = _near_whole(free, n, anchor, ANY if free.locked else "")
+        whole = _near_whole(free, n, anchor, marks)
     else:
-        whole = _take_whole(free, n, anchor, ANY if free.locked else "")
+        whole = _take_whole(free, n, anchor, marks)
     left = free.budget() - free.from_shared(whole) - free.leaving(anchor)
     if left < 0:
         raise floor(free, left)
@@ -326,7 +328,8 @@ def _choice(free: Free, n: int, pieces: int, anchor: CPUSet, prefer: int | None,
             return whole, prefer, fresh
     if relaxed:
         only = free.near if free.near is not None and free.near_required else None
-        cpu, fresh = _take_fragment(free, pieces, near, only, frozenset(), left)
+        avoid = frozenset() if free.soft else free.locked
+        cpu, fresh = _take_fragment(free, pieces, near, only, avoid, left)
     else:
         cpu, fresh = take_fragment(free, pieces, near, left)
     return whole, cpu, fresh

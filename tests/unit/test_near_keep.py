@@ -432,3 +432,16 @@ def test_when_full_takes_a_kept_core_before_the_shared_pools_last_cpu(machine) -
     test_others_take_kept_cores_never_or_only_when_nothing_else_fits.hypothesis.inner_test(
         machine, "b", steps=18, seed=84083457, rules=[(0, 2)], ask=(1, 50, "none", {}),
         others=WHEN_FULL)
+
+
+def test_preferred_falls_back_without_taking_cores_kept_never(machine) -> None:
+    """Found by make test-explore (seed 2700997061) on the first version of choose.take: a
+    near-policy preferred request that fell back off its devices took cores kept for others'
+    devices under keep_near_others = never. Falling back drops the preference, never the
+    rule."""
+    test_others_take_kept_cores_never_or_only_when_nothing_else_fits.hypothesis.inner_test(
+        machine, "b", steps=13, seed=132102, rules=[(0, 1), (1, 1)],
+        ask=(2, 0, "mine", {"policy": "packed", "near-policy": "preferred"}), others=NEVER)
+    test_others_take_kept_cores_never_or_only_when_nothing_else_fits.hypothesis.inner_test(
+        machine, "snc", steps=24, seed=50339329, rules=[(3, 2)],
+        ask=(3, 0, "other", {"near-policy": "preferred"}), others=NEVER)

@@ -162,3 +162,16 @@ def test_refresh_on_real_machine_shapes_matches_discover(
         t = fast
     write_sysfs(root, machine)
     assert refresh(root, t) == machine.topology()
+
+
+def test_a_core_whose_thread_was_read_half_way_is_read_whole_later(tmp_path_factory) -> None:
+    """Found by make test-explore (seed 2700997061): on machine d, cpu17 offline, cpu16 online
+    with its topology not readable yet; cpu17 comes online (its siblings 16-17), then cpu16's
+    files come too. Its place had been kept from the previous reading (its core alone, 17
+    offline then) and nothing marked it uncertain, so refresh() took the quick path and kept
+    16 and 17 in two cores. A CPU online but unread now carries a note, and refresh() reads
+    everything again while there is one."""
+    test_hotplug_sequences_never_leave_the_machines_ids.hypothesis.inner_test(
+        tmp_path_factory, machine="d", links=False, start_fresh=True,
+        steps=[(5, (True, False, False, False), False), (35, "coming-on", False),
+               (50, "online", False)])
