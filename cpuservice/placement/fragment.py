@@ -65,6 +65,8 @@ def _take_fragment(free: Free, pieces: int, whole: Collection[int],
     def allowed(cs: Iterable[int]) -> list[int]:
         return [c for c in cs if c not in blocked and (only is None or c in only)]
 
+    within = left is not None and left <= 0  # the budget is spent: no fresh shared CPU
+
     if anchor:
         core_of, l3_of, node_of = free.core_of, free.l3_of, free.node_of
         cores = {core_of[c] for c in anchor}
@@ -77,7 +79,7 @@ def _take_fragment(free: Free, pieces: int, whole: Collection[int],
             existing = [c for c in allowed(near) if rooms[c] >= pieces]
             if existing:
                 return min(existing, key=lambda c: (rooms[c], c)), False
-        takeable = free.takeable() if left is None or left > 0 else free.free_isolated
+        takeable = free.free_isolated if within else free.takeable()
         for near in ([c for k in cores for c in topology.cores[k]],
                      [c for g in l3s for c in topology.l3_groups[g]]):
             fresh = [c for c in allowed(near) if c in takeable]
@@ -94,10 +96,10 @@ def _take_fragment(free: Free, pieces: int, whole: Collection[int],
     if existing and (not anchor or free.opts.numa_alignment not in STRICT_ALIGNMENT):
         return min(existing, key=lambda c: (rooms[c], c)), False
     if not anchor:
-        fresh = allowed(free.takeable() if left is None or left > 0 else free.free_isolated)
+        fresh = allowed(free.free_isolated if within else free.takeable())
         if fresh:
             return pack(topology, fresh, 1, anchor)[0], True
-    if left is not None and left <= 0 and allowed(free.takeable()):
+    if left is not None and within and allowed(free.takeable()):
         raise floor(free, left - 1)  # a fresh CPU was there, but not in the budget
     raise shortage(free.ledger,
                    f"no CPU has {pieces} free pieces (of {free.g}) for this fragment")
