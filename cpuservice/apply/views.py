@@ -57,12 +57,34 @@ def manager(ledger: Ledger, lent: CPUSet = EMPTY) -> dict[str, Any]:
     }
 
 
+# the last views made, by the identity of the state and topology they were made of (both are
+# replaced, never changed): a change's events, its audit entry and the bus's reads ask for the
+# same view; at most _RECENT_MAX
+_recent: dict[tuple[int, int, str], tuple[Topology, State, Any, tuple[str, ...],
+                                          dict[str, Any]]] = {}
+_RECENT_MAX = 32
+
+
 def allocation(topology: Topology, state: State, name: str,
                partition: partitions.State | None = None,
                strain: tuple[str, ...] = ()) -> dict[str, Any]:
     """The org.cpuservice1.Allocation properties of one allocation (``partition``: what the
     kernel reports of its slice's cpuset partition, when it asked for one; ``strain``: the
     health reasons its figures raised, cpuservice.model.health: Health only, not State)."""
+    key = (id(topology), id(state), name)
+    hit = _recent.get(key)
+    if hit is not None and hit[0] is topology and hit[1] is state and hit[2] == partition \
+            and hit[3] == strain:
+        return dict(hit[4])
+    out = _allocation(topology, state, name, partition, strain)
+    if len(_recent) >= _RECENT_MAX:
+        _recent.clear()
+    _recent[key] = (topology, state, partition, strain, out)
+    return dict(out)
+
+
+def _allocation(topology: Topology, state: State, name: str,
+                partition: partitions.State | None, strain: tuple[str, ...]) -> dict[str, Any]:
     a = state.ledger.allocations[name]
     record = state.records.get(name, Record())
     p = placement.describe(topology, state.ledger, a)

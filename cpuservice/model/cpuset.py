@@ -39,10 +39,19 @@ def _parse_id(text: str, part: str) -> int:
     return value
 
 
+# the bits set in each byte value: masks are decoded a byte at a time
+_BITS: tuple[tuple[int, ...], ...] = tuple(tuple(b for b in range(8) if v >> b & 1)
+                                           for v in range(256))
+# masks decoded lately (systemd's and the plans' masks repeat: every change compares the
+# shared pool's holders' masks), at most _DECODED_MAX
+_decoded: dict[bytes, CPUSet] = {}
+_DECODED_MAX = 512
+
+
 class CPUSet:
     """Sorted, hashable, immutable set of non-negative ids with set algebra."""
 
-    __slots__ = ("_ids", "_sorted", "_text")
+    __slots__ = ("_ids", "_mask", "_sorted", "_text")
 
     def __init__(self, ids: Iterable[int] = ()) -> None:
         frozen = frozenset(ids)
@@ -52,6 +61,7 @@ class CPUSet:
         self._ids = frozen
         self._sorted: tuple[int, ...] | None = None
         self._text: str | None = None
+        self._mask: bytes | None = None
 
     @classmethod
     def _trusted(cls, ids: frozenset[int]) -> CPUSet:
@@ -60,6 +70,7 @@ class CPUSet:
         new._ids = ids
         new._sorted = None
         new._text = None
+        new._mask = None
         return new
 
     @classmethod
@@ -102,18 +113,27 @@ class CPUSet:
         """Decode systemd's little-endian byte mask."""
         if len(mask) > (MAX_CPU_ID + 1) // 8:
             raise CPUSetError(f"mask of {len(mask)} bytes is larger than {MAX_CPU_ID + 1} CPUs")
-        ids = [i * 8 + bit for i, byte in enumerate(mask) if byte
-               for bit in range(8) if byte >> bit & 1]
-        return cls._trusted(frozenset(ids))
+        key = bytes(mask)
+        out = _decoded.get(key)
+        if out is None:
+            bits = _BITS
+            out = cls._trusted(frozenset([i * 8 + bit for i, byte in enumerate(key) if byte
+                                          for bit in bits[byte]]))
+            if len(_decoded) >= _DECODED_MAX:
+                _decoded.clear()
+            _decoded[key] = out
+            out._mask = key.rstrip(b"\0")
+        return out
 
     def to_mask(self) -> bytes:
-        """Encode as systemd's little-endian byte mask (empty set -> empty bytes)."""
-        if not self._ids:
-            return b""
-        out = bytearray(max(self._ids) // 8 + 1)
-        for cpu in self._ids:
-            out[cpu // 8] |= 1 << (cpu % 8)
-        return bytes(out)
+        """Encode as systemd's little-endian byte mask (empty set -> empty bytes; computed
+        once)."""
+        if self._mask is None:
+            out = bytearray(max(self._ids) // 8 + 1 if self._ids else 0)
+            for cpu in self._ids:
+                out[cpu // 8] |= 1 << (cpu % 8)
+            self._mask = bytes(out)
+        return self._mask
 
     def format(self) -> str:
         """The canonical cpu-list string, ranges collapsed (computed once)."""
