@@ -12,13 +12,17 @@ Prints, last:
     burst_systemd n=32 concurrent_s=<float> burst_ratio=<float>
     daemon_cpu_us_per_allocate allocations=0 <float> allocations=1000 <float> ratio <float>
         allocations=3000 <float> ratio <float>
+    daemon_cpu_us_per_allocate statistics=off allocations=0 <float> allocations=3000 <float>
+        ratio <float>
 
 floor = StartTransientUnit of an equivalent slice (until its job is done) + one
 SetUnitProperties, measured by the same client on the same bus, interleaved with the Allocate
 calls. shared_update_ratio = bound Allocate latency with 1,000 unbound allocations present /
 with none; checkpoint_scale the same with 3,000 (daemon_cpu_us_per_allocate: the daemon's own
 CPU time per bound Allocate, utime + stime over 3 x 120 of them, with none and with those
-3,000; the rest of checkpoint_scale is systemd's). systemd_shared_slice_set_us: what systemd
+3,000; the rest of checkpoint_scale is systemd's; statistics=off: the same in a daemon whose
+statistics sampler is off, so that only the Allocates' own work is counted, not a reading of
+every allocation's figures that falls into the window). systemd_shared_slice_set_us: what systemd
 alone takes to set cpuservice-shared.slice's AllowedCPUs (to the value it has) with no unbound
 allocation and with 3,000 of them below it (systemd walks the slice's subtree).
 burst_allocate: 32 bound 1-CPU Allocates issued one after another, then 32 issued at once (all
@@ -290,6 +294,15 @@ def main() -> int:
         rss_kb = next(int(line.split()[1]) for line in
                       (proc / f"proc/{pid}/status").read_text().splitlines()
                       if line.startswith("VmRSS:"))
+        # the same, with the statistics sampler off (statistics_seconds = 0): what an Allocate
+        # itself costs the daemon as allocations grow, without the reading of every
+        # allocation's figures every 10 s that falls into the window (idle_cpu_percent above
+        # has the sampler's cost)
+        daemon.configure("c", statistics_seconds=0)
+        pid = int(daemon.show("cpuservice.service", "MainPID")["MainPID"])
+        own_empty_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
+        asyncio.run(populate(address, 0, 3000))
+        own_full_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
         daemon.configure("e", max_allocations_per_user=0)
         asyncio.run(populate_mixed(address, 1000))
         worst_ms, worst_what = asyncio.run(worst_call(address))
@@ -311,6 +324,8 @@ def main() -> int:
     print(f"daemon_cpu_us_per_allocate allocations=0 {cpu_empty_us:.0f} allocations=1000 "
           f"{cpu_crowded_us:.0f} ratio {cpu_crowded_us / cpu_empty_us:.2f} allocations=3000 "
           f"{cpu_full_us:.0f} ratio {cpu_full_us / cpu_empty_us:.2f}")
+    print(f"daemon_cpu_us_per_allocate statistics=off allocations=0 {own_empty_us:.0f} "
+          f"allocations=3000 {own_full_us:.0f} ratio {own_full_us / own_empty_us:.2f}")
     return 0
 
 
