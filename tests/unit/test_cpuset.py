@@ -77,6 +77,20 @@ def test_roundtrips(ids: frozenset[int]) -> None:
     assert CPUSet.parse(s.format() + "\n") == s
 
 
+@settings(max_examples=examples(100))
+@given(st.lists(st.binary(min_size=0, max_size=40), min_size=1, max_size=30))
+def test_masks_decode_the_same_from_the_cache(masks: list[bytes]) -> None:
+    """from_mask keeps the sets it decoded lately (cpuset._decoded): a mask decodes to the set
+    of its bits whether or not it was decoded before, trailing zero bytes or not, and a set's
+    mask is the canonical one (no trailing zero byte)."""
+    for mask in masks + masks:
+        got = CPUSet.from_mask(mask)
+        assert got == CPUSet(i * 8 + b for i, byte in enumerate(mask) for b in range(8)
+                             if byte >> b & 1)
+        assert got.to_mask() == mask.rstrip(b"\0")
+        assert CPUSet(got.ids).to_mask() == got.to_mask()
+
+
 def test_longest_canonical_list_fits_the_limit() -> None:
     """Runs of two (``1000-1001,1003-1004``) make the longest text a set of ids can have."""
     longest = CPUSet(c for c in range(MAX_CPU_ID + 1) if c % 3 != 2)

@@ -94,3 +94,13 @@ def test_a_movable_default_that_cannot_apply_is_no() -> None:
         assert Request.parse("2", options, defaults).options.movable == Movable.NO
     with pytest.raises(InvalidArgument, match="movable"):
         Request.parse("2", {"movable": "node"}, {"bind": True, "partition": "root"})
+
+
+def test_an_option_map_validated_before_is_validated_by_its_types_too() -> None:
+    """parse_options keeps what it validated: ``bind: 1`` is still refused after ``bind: true``
+    was accepted (1 == True in Python), and a default that changed is a different map."""
+    assert parse_options({"bind": True}).bind is True
+    with pytest.raises(InvalidArgument, match="bind"):
+        parse_options({"bind": 1})
+    assert parse_options({}, {"policy": "full-pcpus"}).policy == "full-pcpus"
+    assert parse_options({}, {"policy": "packed"}).policy == "packed"
