@@ -67,6 +67,10 @@ class Notifier:
         self.address = socket_address(value)
         self._status = ""
         self._watchdog: asyncio.Task[None] | None = None
+        # one socket for every notification (each change sends its STATUS=): a socket made,
+        # set non-blocking and closed per message cost more than the message; made anew after
+        # a failure
+        self._sock: socket.socket | None = None
 
     def send(self, **fields: str) -> bool:
         """One notification (``ready="1"`` -> READY=1); False when it could not be sent."""
@@ -74,11 +78,15 @@ class Notifier:
             return False
         data = "".join(f"{key.upper()}={value}\n" for key, value in fields.items()).encode()
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-                s.setblocking(False)  # never stall the event loop (the watchdog pings from it)
-                s.sendto(data, self.address)
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._sock.setblocking(False)  # never stall the event loop (the watchdog pings)
+            self._sock.sendto(data, self.address)
         except OSError as exc:
             log.warning("cannot notify systemd (%s)", exc)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
             return False
         return True
 
