@@ -143,7 +143,9 @@ class Systemd:
             future = asyncio.get_running_loop().create_future()
             self._waiting[job] = future
             try:
-                result = await asyncio.wait_for(future, self.job_seconds)
+                # (not wait_for: its waiter costs the job's end one more turn of the loop)
+                async with asyncio.timeout(self.job_seconds):
+                    result = await future
             except TimeoutError:
                 raise SystemdFailure(
                     f"systemd job {member} {body[0]} did not finish within "
