@@ -17,8 +17,8 @@ from typing import Protocol
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.topology import Cell, Topology
 
-# placement/pack.py's view of its candidates: by core, then wide, single and loose (classify)
-Classes = tuple[dict[int, list[int]], list[int], list[int], list[int]]
+# placement/pack.py's view of its candidates: wide, single and loose (classify)
+Classes = tuple[Collection[int], Collection[int], Collection[int]]
 SPREAD_PCPUS = "spread-pcpus"  # request.Policy.SPREAD_PCPUS (a StrEnum: equal to its value)
 
 
@@ -76,10 +76,14 @@ class FreeView:
     CPUs that are not reserved, and free isolated ones: Ledger.allocatable); ``counts``, node
     -> their number (nodes with any); ``shared``, the size of the shared pool; ``isolated``, the
     number of free isolated CPUs. ``whole(cell)``: the CPUs of a cell on cores all of whose
-    threads (online or not) are allocatable, computed when first asked for."""
+    threads (online or not) are allocatable; ``classes(cell)``: pack's classes of a cell. Both
+    follow from the cell's CPUs whose core's online threads are all allocatable, found when
+    first asked for and then carried from view to view (after: a change looks at the cores of
+    the CPUs it moves, not at the cell), so that a choice does not count the threads of every
+    core of the cell it lands in."""
 
-    __slots__ = ("_classes", "_whole", "_whole_counts", "cells", "counts", "isolated", "shared",
-                 "spread", "topology")
+    __slots__ = ("_ow", "_whole_counts", "cells", "counts", "isolated", "shared", "spread",
+                 "topology")
 
     def __init__(self, topology: Topology, cells: dict[Cell, frozenset[int]],
                  counts: dict[int, int], shared: int, isolated: int) -> None:
@@ -88,9 +92,10 @@ class FreeView:
         self.counts = counts
         self.shared = shared
         self.isolated = isolated
-        self._whole: dict[Cell, frozenset[int]] = {}
-        self._whole_counts: dict[int, int] | None = None
-        self._classes: dict[Cell, Classes] = {}  # classify of a cell, when asked
+        # cell -> its CPUs whose core's online threads are all allocatable (cells asked for;
+        # only where cores lie in one cell: Topology.cells.nested)
+        self._ow: dict[Cell, frozenset[int]] = {}
+        self._whole_counts: dict[int, int] | None = None  # of whole_view, when asked
         # core -> how many of its threads spread-pcpus allocations hold (placement/free.py
         # spread_cores), filled in by the first choice that asks
         self.spread: dict[int, int] | None = None
@@ -106,27 +111,35 @@ class FreeView:
                 counts[x] = counts.get(x, 0) + len(cs)
         return cls(topology, cells, counts, len(ledger.shared), len(ledger.free_isolated))
 
+    def _whole_online(self, cell: Cell) -> frozenset[int]:
+        """The CPUs of ``cell`` whose core's online threads are all allocatable."""
+        out = self._ow.get(cell)
+        if out is None:
+            cpus, of = self.cells[cell], self.topology.core_threads.of
+            out = self._ow[cell] = frozenset(c for c in cpus if of[c] <= cpus)
+        return out
+
     def whole(self, cell: Cell) -> frozenset[int]:
         """The CPUs of ``cell`` whose core is wholly allocatable (cores lie in one cell:
         Topology.cells.nested)."""
-        out = self._whole.get(cell)
-        if out is None:
-            cpus = self.cells[cell]
-            core_of, size = self.topology.levels[3], self.topology.core_size
-            counts: dict[int, int] = {}
-            for c in cpus:
-                counts[core_of[c]] = counts.get(core_of[c], 0) + 1
-            out = self._whole[cell] = frozenset(
-                c for c in cpus if counts[core_of[c]] == size[core_of[c]])
-        return out
+        partial = self.topology.core_threads.partial
+        out = self._whole_online(cell)
+        return out.difference(partial) if partial else out
 
     def classes(self, cell: Cell) -> Classes:
-        """classify of the cell's CPUs, computed when first asked for (kept with the view:
-        pack does not change them)."""
-        out = self._classes.get(cell)
-        if out is None:
-            out = self._classes[cell] = classify(self.topology, self.cells[cell])
-        return out
+        """classify of the cell's CPUs, from its wholly allocatable cores (where cores lie in
+        one cell)."""
+        if not self.topology.cells.nested:
+            return classify(self.topology, self.cells[cell])
+        threads = self.topology.core_threads
+        whole = self._whole_online(cell)
+        return whole & threads.wide, whole - threads.full, self.cells[cell] - whole
+
+    def full_classes(self, cell: Cell) -> Classes:
+        """classify of whole(cell), full-pcpus' candidates in the cell."""
+        threads = self.topology.core_threads
+        whole = self.whole(cell)
+        return whole & threads.wide, whole - threads.full, ()
 
     def whole_view(self) -> tuple[dict[Cell, frozenset[int]], dict[int, int]]:
         """whole() of every cell, and their number per node (nodes with any)."""
@@ -178,13 +191,13 @@ class FreeView:
         spread = self._spread_after(gone, added)
         if not moved:
             view = FreeView(self.topology, self.cells, self.counts, shared, free_isolated)
-            view._whole, view._whole_counts, view.spread = self._whole, self._whole_counts, spread
-            view._classes = self._classes
+            view._ow, view._whole_counts, view.spread = self._ow, self._whole_counts, spread
             return view
         cells = dict(self.cells)
         counts = dict(self.counts)
-        whole = dict(self._whole)
-        classes = dict(self._classes)
+        ow = dict(self._ow)
+        whole_counts = None if self._whole_counts is None else dict(self._whole_counts)
+        of, partial = self.topology.core_threads.of, self.topology.core_threads.partial
         reorder = False
         for x, (out, into) in moved.items():
             cell = (x, -1)
@@ -197,12 +210,28 @@ class FreeView:
                 counts[x] = left
             else:
                 counts.pop(x, None)
-            whole.pop(cell, None)
-            classes.pop(cell, None)
+            had = ow.get(cell)
+            if had is None:
+                whole_counts = None
+                continue
+            # less the cores of the CPUs that left, plus those now wholly allocatable
+            has = had.difference(*[of[c] for c in out]) if out else had
+            ow[cell] = has = has.union(*[of[c] for c in into if of[c] <= now]) if into else has
+            if whole_counts is not None:  # whole(cell)'s number per node (whole_view)
+                left = whole_counts.get(x, 0) + (len(has.difference(partial))
+                                                 - len(had.difference(partial)) if partial
+                                                 else len(has) - len(had))
+                if left:
+                    reorder |= x not in whole_counts
+                    whole_counts[x] = left
+                else:
+                    whole_counts.pop(x, None)
         if reorder:  # nodes in the order a fresh view lists them
             counts = {x: counts[x] for x in sorted(counts)}
+            if whole_counts is not None:
+                whole_counts = {x: whole_counts[x] for x in sorted(whole_counts)}
         view = FreeView(self.topology, cells, counts, shared, free_isolated)
-        view._whole, view.spread, view._classes = whole, spread, classes
+        view._ow, view._whole_counts, view.spread = ow, whole_counts, spread
         return view
 
     def again(self, new: Ledger, changed: Sequence[tuple[Allocation, int]]) -> FreeView:
@@ -242,10 +271,11 @@ class FreeView:
         return spread
 
 
-def classify(topology: Topology, cands: Collection[int]) -> Classes:
-    """The candidates by core; one thread of each wholly free core of threads_per_core
-    threads; the threads of wholly free cores of fewer online threads; the free threads of
-    partly free cores (pack's classes, which the free view carries per node)."""
+def classify(topology: Topology, cands: Collection[int]
+             ) -> tuple[list[int], list[int], list[int]]:
+    """One thread of each wholly free core of threads_per_core threads; the threads of wholly
+    free cores of fewer online threads; the free threads of partly free cores (pack's classes,
+    which the free view carries per cell)."""
     core_of, size, tpc = topology.levels[3], topology.sizes[3], topology.threads_per_core
     by_core: dict[int, list[int]] = {}
     for c in cands:
@@ -260,4 +290,4 @@ def classify(topology: Topology, cands: Collection[int]) -> Classes:
             wide.append(min(threads))
         else:
             single += threads
-    return by_core, wide, single, loose
+    return wide, single, loose

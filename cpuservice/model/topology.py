@@ -14,7 +14,7 @@ from typing import Any
 
 from cpuservice.model.cpuset import EMPTY, CPUSet
 
-__all__ = ["CPU", "Cells", "Topology", "TopologyError"]
+__all__ = ["CPU", "Cells", "CoreThreads", "Topology", "TopologyError"]
 
 Cell = tuple[int, int]
 
@@ -66,6 +66,20 @@ class Cells:
     nodes: Mapping[Cell, frozenset[int]]
     """The coarser grouping a single choice needs: one cell (node, -1) per node."""
     node_in: Mapping[int, tuple[Cell, ...]]
+
+
+@dataclass(frozen=True)
+class CoreThreads:
+    """The cores as sets, by which the free view (model/freeview.py) keeps the wholly free
+    cores of a cell with a few set operations per change instead of counting threads.
+    ``of``: cpu -> the online threads of its core (itself included); ``wide``: the lowest
+    thread of each core whose threads_per_core threads are all online; ``full``: the threads
+    of those cores; ``partial``: the online threads of cores with an offline thread."""
+
+    of: Mapping[int, frozenset[int]]
+    wide: frozenset[int]
+    full: frozenset[int]
+    partial: frozenset[int]
 
 
 def _group(cpus: Mapping[int, CPU], key: str) -> dict[int, CPUSet]:
@@ -147,6 +161,17 @@ class Topology:
         core (plain ints for placement's inner loops)."""
         return tuple({g: len(cpus) for g, cpus in groups.items()}
                      for groups in (self.sockets, self.nodes, self.l3_groups, self.cores))
+
+    @cached_property
+    def core_threads(self) -> CoreThreads:
+        """The cores as sets (CoreThreads)."""
+        online = {k: t.ids for k, t in self.cores.items()}
+        tpc, size = self.threads_per_core, self.core_size
+        full = [t for t in online.values() if len(t) == tpc]
+        return CoreThreads(
+            {c: online.get(info.core, frozenset()) | {c} for c, info in self.cpus.items()},
+            frozenset(min(t) for t in full), frozenset().union(*full),
+            frozenset().union(*(t for k, t in online.items() if len(t) < size[k])))
 
     @cached_property
     def core_step(self) -> int:

@@ -253,11 +253,15 @@ class Free:
 
     def classes(self, key: str, nodes: Collection[int]) -> Classes | None:
         """pack's classes of everything(key, nodes), carried with the free view per node (one
-        node, packed, the carried view's key); None: pack classifies them itself."""
-        if (len(nodes) != 1 or self.opts.policy != Policy.PACKED or key not in self._views
-                or not self._carries(key)):
+        node, packed or full-pcpus, the carried view's key); None: pack classifies them
+        itself."""
+        if (len(nodes) != 1 or self.opts.policy == Policy.SPREAD_PCPUS
+                or key not in self._views or not self._carries(key)):
             return None
-        return self.carried.classes(self.in_node[next(iter(nodes))][0])
+        cell = self.in_node[next(iter(nodes))][0]
+        if self.opts.policy == Policy.FULL_PCPUS:
+            return self.carried.full_classes(cell)
+        return self.carried.classes(cell)
 
     def everything(self, key: str, nodes: Collection[int]) -> Collection[int]:
         """The candidates for ``key`` in ``nodes`` (nodes with candidates)."""
@@ -301,7 +305,7 @@ class Free:
         shy cores; kept across steps until a step touches the cell (packed only: shy does
         not change; full-pcpus: no loose thread)."""
         if (cell, key) not in self._packed:
-            _, wide, single, loose = classify(self.topology, cands)
+            wide, single, loose = classify(self.topology, cands)
             shy = self.shy() if loose else ()
             self._packed[cell, key] = (wide, single,
                                        [c for c in loose if self.core_of[c] not in shy],

@@ -4,6 +4,7 @@ socket, node, L3 group, core) and spread-pcpus. Pure."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable
 
 from cpuservice.model.errors import (
@@ -87,7 +88,7 @@ def pack(
     if not strict and (tpc == 1 or n >= len(cands)):
         return _take(topology, cands, n, frozenset(near), level) if n < len(cands) else list(cands)
     core_of = topology.levels[3]
-    by_core, wide, single, loose = classes or classify(topology, cands)
+    wide, single, loose = classes or classify(topology, cands)
     out: list[int] = []
     k = min(n // tpc, len(wide))
     if k:
@@ -104,8 +105,10 @@ def pack(
         left = n - len(out)
         if not left:
             return out
-        single = [c for c in single if c not in set(out)]
+        taken = set(out)
+        single = [c for c in single if c not in taken]
     spread: Collection[int] = shy() if loose and not strict else ()
+    cpus: Collection[int]
     for tier in range(1 if strict else 3):
         if strict:
             cpus = _whole_cores_of(topology, single, left)
@@ -114,7 +117,7 @@ def pack(
             rest = [p for p in wide if core_of[p] not in taken_cores]
             if rest:
                 core = core_of[_take(topology, rest, 1, frozenset([*near, *out]), level)[0]]
-                return out + sorted(by_core[core])[:left]
+                return [*out, *topology.cores[core].sorted()[:left]]  # a wide core's: all
             break
         else:
             cpus = (loose, single)[tier]
@@ -128,12 +131,9 @@ def pack(
             left -= len(got)
             if not left:
                 return out
-    sizes: dict[int, int] = {}
-    size = topology.sizes[3]
-    for k, threads in by_core.items():
-        if len(threads) == size[k]:
-            sizes[len(threads)] = sizes.get(len(threads), 0) + 1
-    raise no_whole_cores(n, sizes)
+    singles = Counter(core_of[c] for c in single)  # (strict: single as classes have it)
+    sizes = Counter([tpc] * len(wide) + list(singles.values()))
+    raise no_whole_cores(n, dict(sizes))
 
 
 def no_whole_cores(n: int, sizes: dict[int, int]) -> InsufficientCPUs:

@@ -42,11 +42,11 @@ def assert_fresh(topology: Topology, ledger: Ledger) -> None:
     if topology.cells.nested:
         assert carried.whole_view() == fresh.whole_view()
     for cell in list(carried.cells):  # pack's classes of each cell, as classify has them
-        by_core, *lists = carried.classes(cell)
-        f_by_core, *f_lists = classify(topology, fresh.cells[cell])
-        assert {k: sorted(v) for k, v in by_core.items()} == \
-            {k: sorted(v) for k, v in f_by_core.items()}
-        assert [sorted(x) for x in lists] == [sorted(x) for x in f_lists]
+        assert [sorted(x) for x in carried.classes(cell)] == \
+            [sorted(x) for x in classify(topology, fresh.cells[cell])]
+        if topology.cells.nested:  # and of its whole cores, full-pcpus' candidates
+            assert [sorted(x) for x in carried.full_classes(cell)] == \
+                [sorted(x) for x in classify(topology, fresh.whole(cell))]
     if carried.spread is not None:  # the threads spread-pcpus allocations hold, per core
         core_of, spread = topology.levels[3], Counter[int]()
         for a in ledger.bound.values():
