@@ -22,7 +22,7 @@ from dataclasses import replace
 from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.pools import Allocation
 from cpuservice.model.request import Partition
-from cpuservice.model.state import Record, State
+from cpuservice.model.state import Record, State, copy_records
 from cpuservice.model.topology import Topology
 
 
@@ -105,7 +105,7 @@ def _only(state: State, cpu: int, owner: str) -> bool:
 
 def with_lent(state: State, lent_now: Mapping[str, CPUSet]) -> State:
     """``state`` with these allocations' records saying they lend these CPUs (empty: none)."""
-    records = dict(state.records)
+    records = copy_records(state.records)
     for name, cpus in lent_now.items():
         records[name] = replace(records.get(name, Record()), lent=cpus)
     return State(state.ledger, records)

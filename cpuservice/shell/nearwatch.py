@@ -10,7 +10,7 @@ from dataclasses import replace
 from cpuservice.apply.change import Change, Durability
 from cpuservice.host.devices import Resolver
 from cpuservice.model.errors import CPUServiceError
-from cpuservice.model.state import Record, State
+from cpuservice.model.state import Record, State, copy_records
 from cpuservice.shell.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 def looked_for(resolver: Resolver, state: State) -> Change | None:
     """The change that records which devices are gone (or back); None when nothing changed."""
-    records = dict(state.records)
+    records = copy_records(state.records)
     reasons: dict[str, str] = {}
     for name, a in state.ledger.allocations.items():
         devices = a.request.devices

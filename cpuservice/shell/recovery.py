@@ -29,6 +29,7 @@ from cpuservice.host.sysfs import discover, refresh
 from cpuservice.model.cpuset import EMPTY
 from cpuservice.model.errors import CPUServiceError
 from cpuservice.model.pools import Allocation, InvariantError, Ledger, check_invariants
+from cpuservice.model.state import copy_records
 from cpuservice.model.topology import Topology
 from cpuservice.placement.repair import Change as Repaired
 from cpuservice.placement.repair import repair
@@ -187,7 +188,7 @@ async def release(engine: Engine, name: str, reason: str) -> None:
     """Forget an allocation (under the engine's lock). A foreign unit's saved values stay in
     the checkpoint until systemd has taken them back."""
     state = engine.state
-    records = dict(state.records)
+    records = copy_records(state.records)
     record = records.pop(name, Record())
     await engine.apply(Change(
         State(state.ledger.without(name), records), frozenset({name}),
@@ -263,7 +264,7 @@ async def ended(systemd: SystemdAPI, state: State) -> list[str]:
 
 
 def without(state: State, names: list[str]) -> State:
-    ledger, records = state.ledger, dict(state.records)
+    ledger, records = state.ledger, copy_records(state.records)
     for name in names:
         ledger = ledger.without(name)
         records.pop(name, None)

@@ -21,7 +21,6 @@ from cpuservice.apply.reconcile import Kind as OpKind
 from cpuservice.apply.reconcile import Op
 from cpuservice.apply.targets import own_slice, partition_of, partition_of_request, slice_of
 from cpuservice.host import journal
-from cpuservice.host.checkpoint import Record, State
 from cpuservice.host.devices import Resolver
 from cpuservice.host.journal import Kind
 from cpuservice.model import compat, limits
@@ -35,6 +34,7 @@ from cpuservice.model.errors import (
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.props import Props
 from cpuservice.model.request import Request, parse_amount, parse_options, validate_name
+from cpuservice.model.state import Record, State, copy_records
 from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement, defrag
 from cpuservice.placement.moves import Move
@@ -265,7 +265,7 @@ class Service:
         async with self.lock:
             self._same(name, serial)
             ledger = placement.release(self.ledger, name)
-            records = dict(self.state.records)
+            records = copy_records(self.state.records)
             record = records.pop(name, Record())
             # a foreign unit's saved values leave the checkpoint only once systemd has them back
             try:
