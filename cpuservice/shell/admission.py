@@ -27,7 +27,7 @@ from cpuservice.model import limits
 from cpuservice.model.errors import AllocationExists, CPUServiceError, InsufficientCPUs
 from cpuservice.model.pools import Allocation
 from cpuservice.model.request import Request
-from cpuservice.model.state import Record, State, copy_records
+from cpuservice.model.state import Record, State, with_record
 from cpuservice.placement import repack
 from cpuservice.placement.moves import Move
 from cpuservice.shell import foreign, moving, publish
@@ -92,8 +92,7 @@ async def place(engine: Engine, state: State, ask: Ask, moves: MoveLog | None = 
     if name in state.ledger.allocations:
         raise AllocationExists(f"allocation {name!r} already exists")
     unit, saved, fresh = await foreign.target_unit(engine.systemd, name, request, state.records)
-    records = copy_records(state.records)
-    records[name] = Record(ask.owner, unit, saved, fresh=fresh)
+    records = with_record(state.records, name, Record(ask.owner, unit, saved, fresh=fresh))
     moved: tuple[Move, ...] = ()
     try:
         ledger, allocation = placement.allocate(engine.topology, state.ledger, name, request)

@@ -14,6 +14,7 @@ from cpuservice.apply.change import Change
 from cpuservice.apply.targets import own_slice
 from cpuservice.host.checkpoint import Record, State
 from cpuservice.model.errors import CPUServiceError
+from cpuservice.model.state import with_record
 from cpuservice.shell.engine import Engine
 from cpuservice.shell.ports import UNIT_IFACE, SystemdAPI
 
@@ -191,6 +192,6 @@ class Lifetime:
         ):
             async with engine.lock:
                 if name in engine.state.records:
-                    records = {**engine.state.records,
-                               name: replace(engine.state.records[name], populated=True)}
+                    records = with_record(engine.state.records, name,
+                                          replace(engine.state.records[name], populated=True))
                     await engine.apply(Change(State(engine.ledger, records), frozenset({name})))

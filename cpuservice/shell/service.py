@@ -34,7 +34,7 @@ from cpuservice.model.errors import (
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.props import Props
 from cpuservice.model.request import Request, parse_amount, parse_options, validate_name
-from cpuservice.model.state import Record, State, copy_records
+from cpuservice.model.state import Record, State, copy_records, with_record
 from cpuservice.model.topology import Topology
 from cpuservice.placement import Placement, defrag
 from cpuservice.placement.moves import Move
@@ -379,7 +379,7 @@ class Service:
             note = Note(Kind.ATTACHED, name,
                         extra={"scope": scope, "pids": ",".join(str(p) for p in pids)})
             state = self.state if record.populated else State(
-                self.ledger, {**self.state.records, name: replace(record, populated=True)})
+                self.ledger, with_record(self.state.records, name, replace(record, populated=True)))
             # populated is recorded once the scope holds the processes (a crash before must
             # not leave a record that says so of an empty slice)
             try:
