@@ -61,7 +61,12 @@ def looks(names: tuple[str, ...], health: bool = True) -> dict:  # type: ignore[
     """Health, HealthReason, State, MemoryNodes and Statistics of the allocations ``names``:
     what ``cpuservicectl status -j`` shows of them, through busctl (a C program, quick to start
     in the emulated VM, where each Python start costs seconds of a busy core): GetStatistics
-    for all, and with ``health`` one get-property for each."""
+    for all, and with ``health`` one get-property for each. That makes one Get per name, so
+    HealthReason is read before Health: a reason raised between the two reads then shows in
+    both (read the other way round, a look once had Health "ok" beside HealthReason
+    "pressured"), and nothing clears a reason within a look (health_seconds). (One GetAll per
+    allocation would be one reply, but systemd 252's busctl --json fails, exit 1 and no
+    message, on a bound allocation's Shares: a dict with integer keys.)"""
     stats = json.loads(sh("busctl", "--json=short", "call", "org.cpuservice1",
                           "/org/cpuservice1", "org.cpuservice1.Manager", "GetStatistics", "as",
                           str(len(names)), *names))["data"][0]
@@ -69,7 +74,7 @@ def looks(names: tuple[str, ...], health: bool = True) -> dict:  # type: ignore[
     for name in names:
         out[name] = {"Statistics": {k: v["data"] for k, v in stats.get(name, {}).items()}}
         if health:
-            keys = ("Health", "HealthReason", "State", "MemoryNodes")
+            keys = ("HealthReason", "Health", "State", "MemoryNodes")
             lines = sh("busctl", "--json=short", "get-property", "org.cpuservice1",
                        f"/org/cpuservice1/allocation/{name}", "org.cpuservice1.Allocation",
                        *keys).splitlines()
