@@ -145,6 +145,44 @@ def test_textfile_coalesces_a_burst(tmp_path: Path) -> None:
     assert len(renders) == 1 and (tmp_path / "x.prom").exists()
 
 
+def test_a_costly_write_spaces_the_next_so_writing_takes_a_small_share(tmp_path: Path) -> None:
+    now, cpu, cost = [100.0], [0.0], [1.0]
+
+    def render() -> str:  # rendering takes cost[0] s of CPU, and as long by the clock
+        now[0] += cost[0]
+        cpu[0] += cost[0]
+        return f"a {now[0]}\n"
+
+    async def body() -> list[float]:
+        out = metrics.Textfile(str(tmp_path / "x.prom"), render, delay=0.2,
+                               clock=lambda: now[0], cpu=lambda: cpu[0])
+        loop = asyncio.get_running_loop()
+        waits = []
+
+        def change() -> None:
+            out.changed()
+            assert out._pending is not None
+            waits.append(out._pending.when() - loop.time())
+            out._pending.cancel()
+            out._pending = None
+
+        change()  # the first write: after the short delay
+        assert out.write()  # it cost 1 s
+        now[0] += 5.0  # 5 s later a change: the next write waits out the rest
+        change()
+        cost[0] = metrics.SPACED_FROM / 2  # a cheap write spaces nothing
+        assert out.write()
+        change()
+        return waits
+
+    first, second, third = asyncio.run(body())
+    # a write of 1 s is at most MAX_SHARE (5 %) of the time: the next starts 19 s after its
+    # end, 14 s after the change that came 5 s after it
+    assert abs(first - 0.2) < 0.05
+    assert abs(second - 14.0) < 0.05
+    assert abs(third - 0.2) < 0.05
+
+
 def test_a_missing_directory_is_skipped_with_one_line(tmp_path: Path,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="cpuservice.host.metrics")
