@@ -14,6 +14,8 @@ Prints, last:
         allocations=3000 <float> ratio <float>
     daemon_cpu_us_per_allocate statistics=off allocations=0 <float> allocations=3000 <float>
         ratio <float>
+    daemon_cpu_us_per_allocate statistics=off metrics=on allocations=0 <float>
+        allocations=3000 <float> ratio <float>
 
 floor = StartTransientUnit of an equivalent slice (until its job is done) + one
 SetUnitProperties, measured by the same client on the same bus, interleaved with the Allocate
@@ -22,7 +24,8 @@ with none; checkpoint_scale the same with 3,000 (daemon_cpu_us_per_allocate: the
 CPU time per bound Allocate, utime + stime over 3 x 120 of them, with none and with those
 3,000; the rest of checkpoint_scale is systemd's; statistics=off: the same in a daemon whose
 statistics sampler is off, so that only the Allocates' own work is counted, not a reading of
-every allocation's figures that falls into the window). systemd_shared_slice_set_us: what systemd
+every allocation's figures that falls into the window; metrics=on: that daemon writing its
+metrics file, as on a host with the node exporter). systemd_shared_slice_set_us: what systemd
 alone takes to set cpuservice-shared.slice's AllowedCPUs (to the value it has) with no unbound
 allocation and with 3,000 of them below it (systemd walks the slice's subtree).
 burst_allocate: 32 bound 1-CPU Allocates issued one after another, then 32 issued at once (all
@@ -48,6 +51,7 @@ from dbus_fast import Variant
 from dbus_fast.aio import MessageBus
 
 from cpuservice.host.systemd import Systemd
+from cpuservice.model.config import METRICS_EXAMPLE
 from tests.envs.container import ContainerHost
 from tests.integration import client
 from tests.integration.service_env import ServiceHost
@@ -306,7 +310,27 @@ def main() -> int:
         daemon.configure("e", max_allocations_per_user=0)
         asyncio.run(populate_mixed(address, 1000))
         worst_ms, worst_what = asyncio.run(worst_call(address))
-        daemon.stop(wipe=True)
+        # the same as statistics=off, with the metrics file written: the container host lacks
+        # the node exporter's directory, which a real host has (ReadWritePaths=- takes it
+        # when it exists at start)
+        metrics_file = container.root / METRICS_EXAMPLE.lstrip("/")  # the default
+        metrics_dir = metrics_file.parent
+        made = not metrics_dir.exists()
+        metrics_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            daemon.configure("c", statistics_seconds=0)
+            pid = int(daemon.show("cpuservice.service", "MainPID")["MainPID"])
+            prom_empty_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
+            asyncio.run(populate(address, 0, 3000))
+            prom_full_us = asyncio.run(daemon_cpu(address, lambda: _cpu_seconds(pid, proc)))
+            written = metrics_file.exists()
+        finally:
+            daemon.stop(wipe=True)
+            metrics_file.unlink(missing_ok=True)
+            if made:
+                metrics_dir.rmdir()
+        if not written:
+            raise RuntimeError(f"the daemon wrote no metrics file {METRICS_EXAMPLE}")
     print(f"allocate_bound_p50_us {alloc_us:.1f} floor_p50_us {floor_us:.1f} "
           f"ratio {alloc_us / floor_us:.2f}")
     print(f"allocate_bound_p50_us borrowers=1 {borrow_us:.1f} floor_p50_us {borrow_floor_us:.1f} "
@@ -326,6 +350,9 @@ def main() -> int:
           f"{cpu_full_us:.0f} ratio {cpu_full_us / cpu_empty_us:.2f}")
     print(f"daemon_cpu_us_per_allocate statistics=off allocations=0 {own_empty_us:.0f} "
           f"allocations=3000 {own_full_us:.0f} ratio {own_full_us / own_empty_us:.2f}")
+    print(f"daemon_cpu_us_per_allocate statistics=off metrics=on allocations=0 "
+          f"{prom_empty_us:.0f} allocations=3000 {prom_full_us:.0f} "
+          f"ratio {prom_full_us / prom_empty_us:.2f}")
     return 0
 
 
