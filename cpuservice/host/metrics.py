@@ -7,10 +7,12 @@ atomically (temp file + rename in the same directory, mode 0644 so the exporter'
 it) and only when the text changed, a short moment after a change so that a burst of requests
 is one write, and never so often that writing takes more than MAX_SHARE of the daemon's time:
 the text has lines for every allocation, 70-190 ms of CPU to render at 3,000 allocations, which
-a write every 0.2 s under a stream of changes spent again and again (issue 40). After a write
-that cost SPACED_FROM of CPU or more, the next waits (1 - MAX_SHARE) / MAX_SHARE times as long.
-A missing directory (no node exporter installed) is skipped with one log line; the file is
-removed when the daemon stops, so a stopped service is seen as absent metrics.
+a write every 0.2 s under a stream of changes spent again and again (issue 40). The writes
+spend a budget of CPU time that fills at MAX_SHARE of the time that passes, up to BUDGET: after
+a quiet while a change is written within the delay, whatever it costs; under a stream of costly
+writes, the next waits until the budget is back. A missing directory (no node exporter
+installed) is skipped with one log line; the file is removed when the daemon stops, so a
+stopped service is seen as absent metrics.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ log = logging.getLogger(__name__)
 BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 REPAIRS = ("hotplug", "revalidate")  # the triggers a running daemon repairs on
 WRITE_DELAY = 0.2  # seconds: one write for a burst of changes
-MAX_SHARE = 0.05  # of the daemon's time, at most, writing the metrics
-SPACED_FROM = 0.05  # seconds of CPU: a write that cost less does not delay the next
+MAX_SHARE = 0.05  # of the daemon's time, at most, writing the metrics (over a while)
+BUDGET = 0.25  # seconds of CPU the writes may spend at once after a quiet while
 
 
 @dataclass
@@ -257,12 +259,17 @@ class Textfile:
         self._written: str | None = None
         self._pending: asyncio.TimerHandle | None = None
         self._skipping = False
-        self._next = 0.0  # the clock's time before which no write starts (MAX_SHARE)
+        self._budget = BUDGET  # seconds of CPU the writes may spend, as of self._at
+        self._at = clock()
+
+    def _budget_now(self) -> float:
+        return min(BUDGET, self._budget + (self.clock() - self._at) * MAX_SHARE)
 
     def changed(self) -> None:
-        """Something changed: write soon (once for a burst; later when writing is costly)."""
+        """Something changed: write soon (once for a burst; later while writing has spent its
+        budget)."""
         if self._pending is None:
-            wait = max(self.delay, self._next - self.clock())
+            wait = max(self.delay, -self._budget_now() / MAX_SHARE)
             self._pending = asyncio.get_running_loop().call_later(wait, self._fire)
 
     def _fire(self) -> None:
@@ -271,15 +278,11 @@ class Textfile:
 
     def write(self) -> bool:
         """Write now if the text changed; False when the directory is missing or unwritable."""
-        start = self.cpu()
+        budget, start = self._budget_now(), self.cpu()
         try:
             return self._write()
         finally:
-            cost = self.cpu() - start
-            # (a write that cost less than SPACED_FROM is not spaced: a small state's, even
-            # under emulation, follows every change within the delay)
-            self._next = (self.clock() + cost * (1 - MAX_SHARE) / MAX_SHARE
-                          if cost >= SPACED_FROM else 0.0)
+            self._budget, self._at = budget - (self.cpu() - start), self.clock()
 
     def _write(self) -> bool:
         directory = self.path.parent

@@ -145,7 +145,7 @@ def test_textfile_coalesces_a_burst(tmp_path: Path) -> None:
     assert len(renders) == 1 and (tmp_path / "x.prom").exists()
 
 
-def test_a_costly_write_spaces_the_next_so_writing_takes_a_small_share(tmp_path: Path) -> None:
+def test_writing_spends_a_budget_that_fills_at_a_small_share_of_the_time(tmp_path: Path) -> None:
     now, cpu, cost = [100.0], [0.0], [1.0]
 
     def render() -> str:  # rendering takes cost[0] s of CPU, and as long by the clock
@@ -166,21 +166,26 @@ def test_a_costly_write_spaces_the_next_so_writing_takes_a_small_share(tmp_path:
             out._pending.cancel()
             out._pending = None
 
-        change()  # the first write: after the short delay
-        assert out.write()  # it cost 1 s
-        now[0] += 5.0  # 5 s later a change: the next write waits out the rest
+        change()  # the first write: after the short delay, whatever it costs
+        assert out.write()  # it cost 1 s, BUDGET (0.25 s) less: 0.75 s owed
+        now[0] += 5.0  # 5 s later (0.25 s of it back) a change waits until it is paid
         change()
-        cost[0] = metrics.SPACED_FROM / 2  # a cheap write spaces nothing
-        assert out.write()
+        now[0] += 100.0  # after a quiet while the budget is full again
+        change()
+        cost[0] = metrics.BUDGET / 20  # cheap writes, ten at once, stay within it
+        for _ in range(10):
+            assert out.write()
+        change()
+        cost[0] = 1.0  # no more than BUDGET was kept from the quiet while: a costly write
+        assert out.write()  # is paid for again
         change()
         return waits
 
-    first, second, third = asyncio.run(body())
-    # a write of 1 s is at most MAX_SHARE (5 %) of the time: the next starts 19 s after its
-    # end, 14 s after the change that came 5 s after it
+    first, second, third, fourth, fifth = asyncio.run(body())
     assert abs(first - 0.2) < 0.05
-    assert abs(second - 14.0) < 0.05
-    assert abs(third - 0.2) < 0.05
+    assert abs(second - 0.5 / metrics.MAX_SHARE) < 0.05  # 10 s
+    assert abs(third - 0.2) < 0.05 and abs(fourth - 0.2) < 0.05
+    assert fifth > 0.75 / metrics.MAX_SHARE  # > 15 s
 
 
 def test_a_missing_directory_is_skipped_with_one_line(tmp_path: Path,
