@@ -8,7 +8,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from dbus_fast import Message, PropertyAccess, Variant
 from dbus_fast.aio import MessageBus
@@ -21,7 +21,6 @@ from cpuservice.bus import statistics
 from cpuservice.bus.callers import Callers
 from cpuservice.bus.irq_report import irq_isolation
 from cpuservice.bus.objects import (
-    ALLOCATION_SIGNATURES,
     BUS_NAME,
     PATH,
     Allocation,
@@ -32,6 +31,7 @@ from cpuservice.bus.objects import (
     plain_options,
 )
 from cpuservice.bus.reads import Reads, in_turn
+from cpuservice.bus.signals import OBJECT_MANAGER, Outbox
 from cpuservice.host.authz import (
     ALLOCATE,
     MANAGE,
@@ -49,6 +49,7 @@ from cpuservice.model.errors import (
     SharedPoolStarving,
 )
 from cpuservice.shell.engine import Snapshot
+from cpuservice.shell.ports import Event, Kind
 from cpuservice.shell.service import Service
 
 __all__ = ["BUS_NAME", "Bus", "Manager", "capture_sender"]
@@ -65,6 +66,8 @@ class Manager(Callers, ServiceInterface):
         self.authority = authority
         self.objects: dict[str, Allocation] = {}
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        self.outbox = Outbox(lambda name: Allocation(self, name), self.introspect)
+        self.exported = False  # on the bus (export_all): its own signals are sent
         self._uids = OrderedDict()
         self._asking = {}
         self.rate = RateLimit(service.config.max_changes_per_user_per_minute)
@@ -77,13 +80,14 @@ class Manager(Callers, ServiceInterface):
         bus's message handler; after capture_sender, which the daemon adds first)."""
         self.bus.add_message_handler(self.reads.handler)
         self.bus.export(PATH, self)
+        self.exported = True
         self.reads.exported(PATH, self)
         for name in self.service.ledger.allocations:
             if name not in self.objects:  # an event during startup may have exported it
                 self._export(name)
 
-    def _export(self, name: str) -> Allocation:
-        obj = Allocation(self, name)
+    def _export(self, name: str, obj: Allocation | None = None) -> Allocation:
+        obj = obj or Allocation(self, name)
         self.objects[name] = obj
         self.bus.export(path_of(name), obj)
         self.reads.exported(path_of(name), obj)
@@ -91,40 +95,43 @@ class Manager(Callers, ServiceInterface):
 
     # ---- Events ----
 
+    def prepare(self, events: Sequence[Event]) -> None:
+        """Make, while systemd applies a change, what delivering its events sends (Outbox)."""
+        self.outbox.prepare(events)
+
+    def _send(self, messages: Sequence[Message]) -> None:
+        """Send, but the Manager's own signals only once it is exported (export_all)."""
+        for message in messages:
+            if self.exported or message.path != PATH or message.interface == OBJECT_MANAGER:
+                self.bus.send(message)
+
     def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
-        self._export(name)
-        self.AllocationAdded(name, path_of(name))
-        body = {k: Variant(ALLOCATION_SIGNATURES[k], v) for k, v in values.items()}
-        self._object_manager("InterfacesAdded", "oa{sa{sv}}",
-                             [path_of(name), {"org.cpuservice1.Allocation": body}])
+        obj, messages = self.outbox.take(Kind.ADDED, name, values)
+        self._export(name, cast(Allocation, obj))
+        self._send(messages)
 
     def allocation_removed(self, name: str) -> None:
+        _, messages = self.outbox.take(Kind.REMOVED, name)
         self.objects.pop(name, None)
         self._values.pop(name, None)
         self.bus.unexport(path_of(name))
         self.reads.unexported(path_of(name))
-        self.AllocationRemoved(name, path_of(name))
-        self._object_manager("InterfacesRemoved", "oas",
-                             [path_of(name), ["org.cpuservice1.Allocation"]])
+        self._send(messages)
 
     def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:
-        obj = self.objects.get(name) or self._export(name)
-        if changed:
-            obj.emit_properties_changed(dict(changed))
-        self.AllocationChanged(name, path_of(name), reason)
+        _, messages = self.outbox.take(Kind.CHANGED, name, reason, changed)
+        if name not in self.objects:
+            self._export(name)
+        self._send(messages)
 
     def allocation_moved(self, name: str, old: str, new: str) -> None:
-        self.AllocationMoved(name, path_of(name), old, new)
+        self._send(self.outbox.take(Kind.MOVED, name, old, new)[1])
 
     def pools_changed(self, shared: str, exclusive: str, fragment: str) -> None:
-        self.PoolsChanged(shared, exclusive, fragment)
+        self._send(self.outbox.take(Kind.POOLS, shared, exclusive, fragment)[1])
 
     def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None:
-        self.emit_properties_changed(dict(changed), list(invalidated))
-
-    def _object_manager(self, member: str, signature: str, body: list[Any]) -> None:
-        self.bus.send(Message.new_signal(PATH, "org.freedesktop.DBus.ObjectManager", member,
-                                         signature, body))
+        self._send(self.outbox.take(Kind.MANAGER, changed, invalidated)[1])
 
     # ---- methods ----
 

@@ -6,7 +6,8 @@ tests' fakes implement them."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import Any, NamedTuple, Protocol
 
 from cpuservice.host.irqs import Report
 from cpuservice.model.cpuset import CPUSet
@@ -56,6 +57,24 @@ class KernelAPI(Protocol):
     def devices(self) -> list[str]: ...
 
 
+class Kind(StrEnum):
+    """What a committed change tells the bus, one event each: the Events method it goes to."""
+
+    ADDED = "allocation_added"
+    REMOVED = "allocation_removed"
+    CHANGED = "allocation_changed"
+    MOVED = "allocation_moved"
+    POOLS = "pools_changed"
+    MANAGER = "manager_changed"
+
+
+class Event(NamedTuple):
+    """One event, as a value: its kind and the arguments of its Events method."""
+
+    kind: Kind
+    args: tuple[Any, ...]
+
+
 class Events(Protocol):
     """What the bus layer is told after each committed change, with the values to publish."""
 
@@ -67,6 +86,19 @@ class Events(Protocol):
     def manager_changed(self, changed: Mapping[str, Any], invalidated: Sequence[str]) -> None: ...
 
 
+class Preparing(Events, Protocol):
+    """A sink that can do ahead what delivering events will ask of it (the bus: make the
+    objects to export and marshal the signals), while systemd applies their change. Nothing it
+    does ahead may be seen: a change that fails is never delivered."""
+
+    def prepare(self, events: Sequence[Event]) -> None: ...
+
+
+def deliver(sink: Events, event: Event) -> None:
+    """Hand ``event`` to ``sink``'s method for its kind."""
+    getattr(sink, event.kind)(*event.args)
+
+
 class Fanout:
     """The engine's events, handed to every subscribed sink in turn (the bus; tests' recorders).
     Sinks that only need to know that something changed (the status line, the metrics file)
@@ -74,6 +106,13 @@ class Fanout:
 
     def __init__(self) -> None:
         self.sinks: list[Events] = []
+
+    def prepare(self, events: Sequence[Event]) -> None:
+        """Each sink that prepares (Preparing) makes ready for ``events``."""
+        for sink in self.sinks:
+            ready = getattr(sink, "prepare", None)
+            if ready is not None:
+                ready(events)
 
     def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
         for sink in self.sinks:

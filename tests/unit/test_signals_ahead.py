@@ -1,0 +1,180 @@
+"""A change's events are derived, and its signals made, while systemd applies it (issue 40):
+delivered as made when nothing they depend on changed meanwhile, derived again when something
+did, never when the change fails; and a signal made ahead goes out byte for byte as dbus-fast
+would have marshalled it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+from dbus_fast import Message, Variant
+
+from cpuservice.bus import signals
+from cpuservice.bus.objects import ALLOCATION_SIGNATURES, PATH, path_of
+from cpuservice.model.errors import SystemdFailure
+from cpuservice.shell.ports import Event, Kind
+from tests.unit.test_service_fake import Host
+
+BIND = {"bind": True}
+MANAGER_SIGNATURES = {"SharedCPUs": "s", "FreeCPUs": "d", "Topology": "s"}
+
+
+class Preparer:
+    """A Preparing sink that keeps what it is handed ahead and what it is delivered."""
+
+    def __init__(self) -> None:
+        self.prepared: list[list[Event]] = []
+        self.delivered: list[Event] = []
+
+    def prepare(self, events: Sequence[Event]) -> None:
+        self.prepared.append(list(events))
+
+    def __getattr__(self, kind: str) -> Any:
+        return lambda *args: self.delivered.append(Event(Kind(kind), args))
+
+
+class Gate:
+    """Holds the fake systemd's StartTransientUnit until opened (systemd applying a change)."""
+
+    def __init__(self, host: Host) -> None:
+        self.reached, self.open = asyncio.Event(), asyncio.Event()
+        start = host.fake.start_transient
+
+        async def held(unit: str, props: Any) -> None:
+            self.reached.set()
+            await self.open.wait()
+            await start(unit, props)
+
+        host.fake.start_transient = held  # type: ignore[method-assign]
+
+
+def test_the_events_are_prepared_while_systemd_applies_the_change(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        svc.events = sink = Preparer()
+        gate = Gate(host)
+        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
+        await gate.reached.wait()
+        await asyncio.sleep(0)
+        assert [e.kind for e in sink.prepared[-1]] == [Kind.ADDED, Kind.POOLS, Kind.MANAGER]
+        assert sink.delivered == []  # nothing is seen before the change is applied
+        gate.open.set()
+        await call
+        assert sink.delivered == sink.prepared[-1]
+        assert all(x is y for a, b in zip(sink.delivered, sink.prepared[-1], strict=True)
+                   for x, y in zip(a.args, b.args, strict=True))  # these very values
+    asyncio.run(body())
+
+
+def test_events_are_derived_again_when_the_strain_changed_meanwhile(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        svc.events = sink = Preparer()
+        gate = Gate(host)
+        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
+        await gate.reached.wait()
+        await asyncio.sleep(0)
+        (prepared,) = [e for e in sink.prepared[-1] if e.kind is Kind.ADDED]
+        assert prepared.args[1]["HealthReason"] == ""
+        svc.engine.strain = MappingProxyType({"b1": ("pressured",)})  # the figures, meanwhile
+        gate.open.set()
+        await call
+        (added,) = [e for e in sink.delivered if e.kind is Kind.ADDED]
+        assert added.args[1]["HealthReason"].startswith("pressured")
+    asyncio.run(body())
+
+
+def test_a_failed_change_delivers_nothing_it_prepared(tmp_path: Path) -> None:
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        svc.events = sink = Preparer()
+        host.fake.fail_at(2)  # the shared slice shrinks, the new slice is refused
+        with pytest.raises(SystemdFailure):
+            await svc.allocate("b1", "1", BIND, 0)
+        assert sink.prepared and sink.delivered == []
+        assert "b1" not in svc.ledger.allocations
+    asyncio.run(body())
+
+
+EVENTS = [
+    Event(Kind.ADDED, ("b1", {"Name": "b1", "CPUs": "1", "Bound": True, "Shares": {3: 1000},
+                              "NearDevices": [["gpu0", 0, "gpu", "pci", ""]]})),
+    Event(Kind.REMOVED, ("b1",)),
+    Event(Kind.CHANGED, ("b1", "moved", {"CPUSet": "3", "Shares": {3: 1000}})),
+    Event(Kind.CHANGED, ("b1", "health", {})),
+    Event(Kind.MOVED, ("b1", "2", "3")),
+    Event(Kind.POOLS, ("0-1,4-7", "2-3", "")),
+    Event(Kind.MANAGER, ({"SharedCPUs": "0-1", "FreeCPUs": 2.5}, ["Topology"])),
+]
+
+
+def plain(event: Event) -> list[Message]:
+    """What the bus layer sent for ``event`` before signals were made ahead (dbus-fast's own
+    signal and PropertiesChanged marshalling)."""
+    kind, args = event
+    name = args[0]
+
+    def manager(member: str, sig: str, body: list[Any]) -> Message:
+        return Message.new_signal(PATH, signals.MANAGER_IFACE, member, sig, body)
+
+    def props(path: str, iface: str, sigs: dict[str, str], changed: dict[str, Any],
+              invalidated: list[str]) -> Message:
+        return Message.new_signal(path, signals.PROPERTIES, "PropertiesChanged", "sa{sv}as", [
+            iface, {k: Variant(sigs[k], changed[k]) for k in sorted(changed)}, invalidated])
+
+    if kind is Kind.ADDED:
+        body = {k: Variant(ALLOCATION_SIGNATURES[k], v) for k, v in args[1].items()}
+        return [manager("AllocationAdded", "so", [name, path_of(name)]),
+                Message.new_signal(PATH, signals.OBJECT_MANAGER, "InterfacesAdded",
+                                   "oa{sa{sv}}", [path_of(name), {signals.ALLOCATION_IFACE: body}])]
+    if kind is Kind.REMOVED:
+        return [manager("AllocationRemoved", "so", [name, path_of(name)]),
+                Message.new_signal(PATH, signals.OBJECT_MANAGER, "InterfacesRemoved", "oas",
+                                   [path_of(name), [signals.ALLOCATION_IFACE]])]
+    if kind is Kind.CHANGED:
+        out = [props(path_of(name), signals.ALLOCATION_IFACE, ALLOCATION_SIGNATURES, args[2],
+                     [])] if args[2] else []
+        return [*out, manager("AllocationChanged", "sos", [name, path_of(name), args[1]])]
+    if kind is Kind.MOVED:
+        return [manager("AllocationMoved", "soss", [name, path_of(name), args[1], args[2]])]
+    if kind is Kind.POOLS:
+        return [manager("PoolsChanged", "sss", list(args))]
+    return [props(PATH, signals.MANAGER_IFACE, MANAGER_SIGNATURES, args[0], list(args[1]))]
+
+
+@pytest.mark.parametrize("event", EVENTS, ids=lambda e: f"{e.kind}-{len(e.args[-1])}")
+def test_a_signal_made_ahead_is_sent_as_dbus_fast_marshals_it(event: Event) -> None:
+    made, want = signals.messages(event, MANAGER_SIGNATURES), plain(event)
+    assert len(made) == len(want)
+    for serial, (a, b) in enumerate(zip(made, want, strict=True), start=70000):
+        a.serial = b.serial = serial  # what sending does
+        assert bytes(a._marshall(False)) == bytes(b._marshall(False))
+
+
+def test_the_outbox_sends_what_it_made_only_for_the_very_values() -> None:
+    made: list[str] = []
+
+    def new_object(name: str) -> Any:
+        made.append(name)
+        return object()
+
+    outbox = signals.Outbox(new_object, lambda: pytest.fail("no MANAGER event here"))
+    values = {"Name": "b1"}
+    outbox.prepare([Event(Kind.ADDED, ("b1", values)), Event(Kind.POOLS, ("0-1", "2", ""))])
+    assert made == ["b1"]
+    ahead = outbox._ready[(Kind.ADDED, "b1")][1]
+    pools = outbox._ready[(Kind.POOLS, "")][1][1]
+    assert outbox.take(Kind.ADDED, "b1", values) is ahead and made == ["b1"]
+    assert outbox.take(Kind.ADDED, "b1", values) is not ahead  # taken once: made again
+    assert made == ["b1", "b1"]
+    _, other = outbox.take(Kind.POOLS, "0-3", "", "")  # other values: made for them
+    assert other is not pools and bytes(other[0].body[0], "ascii") == b"0-3"
+    assert outbox._ready == {}
