@@ -95,9 +95,9 @@ class Manager(Callers, ServiceInterface):
 
     # ---- Events ----
 
-    def prepare(self, events: Sequence[Event]) -> None:
-        """Make, while systemd applies a change, what delivering its events sends (Outbox)."""
-        self.outbox.prepare(events)
+    def prepare(self, event: Event, first: bool) -> None:
+        """Make, while systemd applies a change, what delivering an event sends (Outbox)."""
+        self.outbox.prepare(event, first)
 
     def _send(self, messages: Sequence[Message]) -> None:
         """Send, but the Manager's own signals only once it is exported (export_all)."""

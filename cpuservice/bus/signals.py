@@ -7,7 +7,7 @@ time in the container host.
 (No ``from __future__ import annotations`` here, as in the other modules of the bus.)
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dbus_fast import Message, MessageType, Variant
@@ -98,10 +98,13 @@ class Outbox:
         self._signatures: dict[str, str] | None = None
         self._ready: dict[tuple[Kind, str], tuple[tuple[Any, ...], Made]] = {}
 
-    def prepare(self, events: Sequence[Event]) -> None:
-        """Make what delivering ``events`` will send. Nothing of it is seen until then; a
-        change that fails is never delivered, and what was made for it goes at the next."""
-        self._ready = {_key(e): (e.args, self._make(e)) for e in events}
+    def prepare(self, event: Event, first: bool) -> None:
+        """Make what delivering ``event`` will send. Nothing of it is seen until then; a
+        change that fails is never delivered, and what was made for it goes with the
+        ``first`` event of the next."""
+        if first:
+            self._ready.clear()
+        self._ready[_key(event)] = (event.args, self._make(event))
 
     def take(self, kind: Kind, *args: Any) -> Made:
         """What delivering this event sends: made ahead for these very values, or now."""

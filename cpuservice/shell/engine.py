@@ -122,7 +122,7 @@ class Engine:
         observed = change.basis is Basis.OBSERVED
         topology = change.topology or old_topology
         tx = reconcile.Transaction(())
-        ready: publish.Ready | None = None  # the events, derived while systemd applies the change
+        ahead: publish.Ahead | None = None  # the events, derived while systemd applies them
         try:
             if not observed:  # planned before anything is touched: no safe order, no change
                 tx = self.plan((old_topology, old), (topology, new), changed)
@@ -146,11 +146,12 @@ class Engine:
                 await reconcile.execute(reconcile.Transaction(change.steps), self.effector)
                 await self._sync(new)
             else:
-                ready = await publish.meanwhile(
-                    reconcile.execute(reconcile.Transaction(change.steps + tx.ops),
-                                      self.effector),
-                    lambda: self._prepare((old, old_topology), (new, topology), changed,
-                                          change.reasons))
+                reports = MappingProxyType(dict(self.partition_states))
+                ahead = publish.Ahead(self.events, (old, old_topology, reports),
+                                      (new, topology, reports), changed, change.reasons,
+                                      self.strain)
+                await publish.meanwhile(reconcile.execute(
+                    reconcile.Transaction(change.steps + tx.ops), self.effector), ahead.steps())
             if change.durability is Durability.AFTER:
                 self.store.save(new, changed)
         except Exception as exc:
@@ -177,29 +178,18 @@ class Engine:
         self.state = new
         before_partitions = dict(self.partition_states)
         await self.observe_partitions(changed)
-        if ready is None or not ready.holds(before_partitions, self.partition_states,
-                                            self.strain):
-            ready = publish.Ready(publish.changes((old, old_topology, before_partitions),
-                                          (new, self.topology, self.partition_states), changed,
-                                          change.reasons, self.strain), {}, self.strain)
-        publish.deliver(self.events, self.targets.forget, ready.events)
+        found = None if ahead is None else ahead.done(before_partitions, self.partition_states,
+                                                      self.strain)
+        if found is None:
+            found = publish.changes((old, old_topology, before_partitions),
+                                    (new, self.topology, self.partition_states), changed,
+                                    change.reasons, self.strain)
+        publish.deliver(self.events, self.targets.forget, found)
         for event in change.events:
             self.audit.send(event)
         for note in change.notes:
             self._audit(note, old, old_topology)
         self._committed()
-
-    def _prepare(self, old: tuple[State, Topology], new: tuple[State, Topology],
-                 changed: set[str], reasons: Mapping[str, str]) -> publish.Ready:
-        """The events of a change, derived while systemd applies it, and the sinks made ready
-        for them (Preparing): as they will be delivered if the partitions' reports and the
-        figures' health reasons are the same then (a change observes its partitions after
-        systemd applied it)."""
-        reports = dict(self.partition_states)
-        ready = publish.Ready(publish.changes((*old, reports), (*new, reports), changed, reasons,
-                                      self.strain), reports, self.strain)
-        self.events.prepare(ready.events)
-        return ready
 
     def plan(self, old: tuple[Topology, State], new: tuple[Topology, State],
              changed: Iterable[str]) -> reconcile.Transaction:

@@ -87,11 +87,12 @@ class Events(Protocol):
 
 
 class Preparing(Events, Protocol):
-    """A sink that can do ahead what delivering events will ask of it (the bus: make the
-    objects to export and marshal the signals), while systemd applies their change. Nothing it
-    does ahead may be seen: a change that fails is never delivered."""
+    """A sink that can do ahead what delivering an event will ask of it (the bus: make the
+    object to export and marshal the signals), while systemd applies its change; ``first``:
+    the first event of a change (what was made for an earlier change goes). Nothing it does
+    ahead may be seen: a change that fails is never delivered."""
 
-    def prepare(self, events: Sequence[Event]) -> None: ...
+    def prepare(self, event: Event, first: bool) -> None: ...
 
 
 def deliver(sink: Events, event: Event) -> None:
@@ -107,12 +108,12 @@ class Fanout:
     def __init__(self) -> None:
         self.sinks: list[Events] = []
 
-    def prepare(self, events: Sequence[Event]) -> None:
-        """Each sink that prepares (Preparing) makes ready for ``events``."""
+    def prepare(self, event: Event, first: bool) -> None:
+        """Each sink that prepares (Preparing) makes ready for ``event``."""
         for sink in self.sinks:
             ready = getattr(sink, "prepare", None)
             if ready is not None:
-                ready(events)
+                ready(event, first)
 
     def allocation_added(self, name: str, values: Mapping[str, Any]) -> None:
         for sink in self.sinks:

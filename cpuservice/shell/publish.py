@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import Any
 
 from cpuservice.apply import partitions, views
 from cpuservice.model import lending
@@ -43,20 +42,26 @@ def deliver(events: Events, forget: Callable[[str], None], found: Sequence[Event
 
 def changes(before: Side, after: Side, changed: set[str], reasons: Mapping[str, str],
             strain: Mapping[str, tuple[str, ...]] = MappingProxyType({})) -> list[Event]:
+    """The events for what changed between two sides of a change (``each``)."""
+    return list(each(before, after, changed, reasons, strain))
+
+
+def each(before: Side, after: Side, changed: set[str], reasons: Mapping[str, str],
+         strain: Mapping[str, tuple[str, ...]]) -> Iterator[Event]:
     """The events for what changed between two sides of a change, in the order they are
-    delivered. An unbound allocation's CPUSet is the shared pool: it is announced once, by
-    SharedCPUs and PoolsChanged, not per allocation. ``strain``: the health reasons of the
-    allocations' figures now (the same on both sides: a change does not alter them)."""
-    out: list[Event] = []
+    delivered, one at a time. An unbound allocation's CPUSet is the shared pool: it is
+    announced once, by SharedCPUs and PoolsChanged, not per allocation. ``strain``: the health
+    reasons of the allocations' figures now (the same on both sides: a change does not alter
+    them)."""
     old, old_topology, old_reports = before
     new, topology, reports = after
     was_in, now_in = old.ledger.allocations, new.ledger.allocations
     for name in sorted(changed | reasons.keys()):
         if name not in now_in:
-            out.append(Event(Kind.REMOVED, (name,)))
+            yield Event(Kind.REMOVED, (name,))
         elif name not in was_in:
-            out.append(Event(Kind.ADDED, (name, views.allocation(
-                topology, new, name, reports.get(name), strain.get(name, ())))))
+            yield Event(Kind.ADDED, (name, views.allocation(
+                topology, new, name, reports.get(name), strain.get(name, ()))))
         elif was_in[name] is not now_in[name] or name in reasons or (
             new.records.get(name) is not old.records.get(name)
         ):
@@ -66,55 +71,72 @@ def changes(before: Side, after: Side, changed: set[str], reasons: Mapping[str, 
                                  views.allocation(topology, new, name, reports.get(name), mine))
             reason = reasons.get(name, "changed")
             if reason == MOVED and was_in[name].held != now_in[name].held:
-                out.append(Event(Kind.MOVED, (name, was_in[name].held.format(),
-                                              now_in[name].held.format())))
-            out.append(Event(Kind.CHANGED, (name, reason, diff)))
+                yield Event(Kind.MOVED, (name, was_in[name].held.format(),
+                                         now_in[name].held.format()))
+            yield Event(Kind.CHANGED, (name, reason, diff))
     was, now = old.ledger, new.ledger
     if (was.shared, was.exclusive, was.fragment) != (now.shared, now.exclusive, now.fragment):
-        out.append(Event(Kind.POOLS, (now.shared.format(), now.exclusive.format(),
-                                      now.fragment.format())))
+        yield Event(Kind.POOLS, (now.shared.format(), now.exclusive.format(),
+                                 now.fragment.format()))
     manager = views.changed(views.manager(was, lending.all_lent(old_topology, old)),
                             views.manager(now, lending.all_lent(topology, new)))
     invalidated = ["Topology"] if topology != old_topology else []
     if manager or invalidated:
-        out.append(Event(Kind.MANAGER, (manager, invalidated)))
-    return out
+        yield Event(Kind.MANAGER, (manager, invalidated))
 
 
-@dataclass(frozen=True)
-class Ready:
-    """A change's events, derived from the partitions' ``reports`` and the figures' ``strain``
-    of one instant."""
+class Ahead:
+    """A change's events, derived while systemd applies it (``steps``: one event at a time,
+    each handed to ``sink.prepare`` where the sink prepares, ports.Preparing), for the sides
+    ``before`` and ``after`` whose partition reports and figures' ``strain`` are those of that
+    instant (a change observes its partitions after systemd applied it)."""
 
-    events: list[Event]
-    reports: Mapping[str, partitions.State]
-    strain: Mapping[str, tuple[str, ...]]
+    def __init__(self, sink: Events, before: Side, after: Side, changed: set[str],
+                 reasons: Mapping[str, str], strain: Mapping[str, tuple[str, ...]]) -> None:
+        self.sink, self.strain = sink, strain
+        self.reports = (before[2], after[2])
+        self.events: list[Event] = []
+        self.failed = False  # a bug while deriving: derived again at delivery
+        self._left = each(before, after, changed, reasons, strain)
 
-    def holds(self, before: Mapping[str, partitions.State],
-              after: Mapping[str, partitions.State],
-              strain: Mapping[str, tuple[str, ...]]) -> bool:
-        """Whether these are the events for reports ``before`` and ``after`` the change and
-        ``strain``."""
-        return self.strain is strain and before == self.reports and after == self.reports
+    def steps(self) -> Iterator[None]:
+        """Derive and prepare the next event, one per step (the next call goes on)."""
+        prepare = getattr(self.sink, "prepare", None)
+        try:
+            for event in self._left:
+                if prepare is not None:
+                    prepare(event, not self.events)
+                self.events.append(event)
+                yield
+        except Exception:
+            log.exception("deriving the events of a change ahead (they are derived again)")
+            self.failed = True
+
+    def done(self, before: Mapping[str, partitions.State],
+             after: Mapping[str, partitions.State],
+             strain: Mapping[str, tuple[str, ...]]) -> list[Event] | None:
+        """Every event (the rest derived now), if they are those of reports ``before`` and
+        ``after`` the change and ``strain``; else None."""
+        if self.strain is not strain or self.reports != (before, after):
+            return None
+        for _ in self.steps():
+            pass
+        return None if self.failed else self.events
 
 
-T = TypeVar("T")
-
-
-async def meanwhile(work: Coroutine[Any, Any, None], prepare: Callable[[], T]) -> T | None:
-    """Run ``work`` (a transaction) and, once it has sent its first call to systemd and waits,
-    ``prepare`` (None if that failed: a bug, logged; what it prepares is then made later).
-    A failure of ``work`` is raised as it is; cancelling this cancels ``work``."""
+async def meanwhile(work: Coroutine[Any, Any, None], steps: Iterator[None]) -> None:
+    """Run ``work`` (a transaction) and, while it waits for systemd, take ``steps``, one per
+    turn of the loop (a reply from systemd waits for one step at most; a group commit's
+    events do not hold back its calls), until it ends; what is left is left. A failure of
+    ``work`` is raised as it is; cancelling this cancels ``work``."""
     task = asyncio.ensure_future(work)
     try:
         await asyncio.sleep(0)  # the task's first step: up to its first wait
-        try:
-            out: T | None = prepare()
-        except Exception:
-            log.exception("preparing the events of a change (they are derived after it)")
-            out = None
+        for _ in steps:
+            if task.done():
+                break
+            await asyncio.sleep(0)
         await task
     except BaseException:
         task.cancel()
         raise
-    return out
