@@ -36,6 +36,7 @@ from cpuservice.shell.moving import MoveLog
 
 log = logging.getLogger(__name__)
 GROUP_MAX = 64  # requests placed and committed together, at most (unless more owners wait)
+GATHER_TURNS = 8  # turns of the loop a group waits for, at most, while the queue grows
 
 
 @dataclass(eq=False)
@@ -176,12 +177,14 @@ class Admission:
             # its own, empty context: the drain serves every caller, it must not carry the
             # context (the caller's uid for the audit trail) of the one that happened to start it
             self._drain = asyncio.get_running_loop().create_task(
-                self._run(), context=contextvars.Context())
+                self._run(len(self.waiting)), context=contextvars.Context())
         return await ask.future
 
-    async def _run(self) -> None:
+    async def _run(self, seen: int) -> None:
         while self.waiting:
+            await self._gather(seen)
             group = take_group(self.waiting, self.limit)
+            seen = len(self.waiting)
             if not group:
                 continue
             try:
@@ -199,6 +202,18 @@ class Admission:
                 if stop:
                     self.waiting.clear()
                     return
+
+    async def _gather(self, seen: int) -> None:
+        """Let the requests that come together join the queue before a group is taken: the
+        bus is read a buffer at a time and each call's handler reaches the queue in a turn of
+        the loop of its own, so a burst arrives over several turns (32 at once made groups of
+        26 and 6, the second waiting for the first's jobs). While the queue grew since it held
+        ``seen`` requests, one more turn, GATHER_TURNS at most; a lone request waits none."""
+        for _ in range(GATHER_TURNS):
+            if len(self.waiting) == seen:
+                return
+            seen = len(self.waiting)
+            await asyncio.sleep(0)
 
     async def _admit(self, group: Sequence[Ask]) -> None:
         async with self.engine.lock:

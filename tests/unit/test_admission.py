@@ -104,6 +104,44 @@ def test_a_burst_is_committed_as_one_change(tmp_path: Path) -> None:
     run(body)
 
 
+def test_a_burst_that_arrives_over_several_turns_is_one_group(tmp_path: Path) -> None:
+    """The bus hands calls over a buffer at a time: a burst reaches the queue over several
+    turns of the loop, and is still one group (not one of the first turns' and another that
+    waits for its jobs); a lone Allocate does not wait for a turn."""
+    async def body() -> None:
+        host = Host(tmp_path, "c")
+        svc = await host.service()
+        await svc.allocate("first", "1", BIND, 0)
+        groups = svc.admission.groups
+
+        async def late(i: int) -> Allocation:
+            for _ in range(i // 8):  # 8 calls a turn
+                await asyncio.sleep(0)
+            return await svc.allocate(f"b{i}", "1", BIND, 0)
+
+        await asyncio.gather(*(late(i) for i in range(32)))
+        assert svc.admission.groups == groups + 1
+        turns = 0
+
+        async def count() -> None:
+            nonlocal turns
+            while True:
+                turns += 1
+                await asyncio.sleep(0)
+
+        counter = asyncio.ensure_future(count())
+        await asyncio.sleep(0)
+        before = turns
+        await svc.allocate("lone", "1", BIND, 0)
+        counter.cancel()
+        alone = turns - before
+        svc.admission.order = None
+        await svc.release("lone")
+        # the fake's calls never wait: an Allocate is the admission's turns and its reply's
+        assert alone <= 3, alone
+    run(body)
+
+
 def test_the_new_slices_of_a_group_start_at_once() -> None:
     ops = [reconcile.Op(reconcile.Kind.SET, "cpuservice-shared.slice"),
            *(reconcile.Op(reconcile.Kind.START, f"s{i}.slice") for i in range(3)),
