@@ -44,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol, cast
 
@@ -293,12 +293,18 @@ class Failed(Exception):
         self.cause, self.step, self.clean = cause, step, clean
 
 
-async def execute(tx: Transaction, effector: Effector) -> None:
+async def execute(tx: Transaction, effector: Effector,
+                  last: Callable[[], None] | None = None) -> None:
     """Run the operations in order; when one fails, undo the ones done, newest first, and raise
-    Failed. (A crash, BaseException, leaves what was done: startup reconciles it.)"""
+    Failed. (A crash, BaseException, leaves what was done: startup reconciles it.) ``last`` is
+    called once, just before the last group of operations is run (what is then left is
+    waiting for systemd)."""
     done: list[Op] = []
     batcher = _batcher(effector)
-    for group in groups(tx.ops, effector, batcher):
+    found = groups(tx.ops, effector, batcher)
+    for i, group in enumerate(found):
+        if last is not None and i == len(found) - 1:
+            last()
         op = group[0]
         together = len(group) > 1 and not (batcher is not None and batcher.batched(op.unit))
         try:

@@ -43,8 +43,9 @@ class Ready(Message):
 def properties_changed(path: str, interface: str, signatures: Mapping[str, str],
                        changed: Mapping[str, Any], invalidated: list[str]) -> Message:
     """PropertiesChanged of ``interface`` at ``path``, the properties by name (as dbus-fast
-    lists them)."""
-    values = {name: Variant(signatures[name], changed[name]) for name in sorted(changed)}
+    lists them; a name the interface does not declare is left out, as dbus-fast does)."""
+    values = {name: Variant(signatures[name], changed[name]) for name in sorted(changed)
+              if name in signatures}
     return Ready(path, PROPERTIES, "PropertiesChanged", "sa{sv}as",
                  [interface, values, invalidated])
 

@@ -182,12 +182,13 @@ class Admission:
 
     async def _run(self, seen: int) -> None:
         while self.waiting:
-            await self._gather(seen)
-            group = take_group(self.waiting, self.limit)
-            seen = len(self.waiting)
-            if not group:
-                continue
+            group: list[Ask] = []
             try:
+                await self._gather(seen)
+                group = take_group(self.waiting, self.limit)
+                seen = len(self.waiting)
+                if not group:
+                    continue
                 await self._admit(group)
             except asyncio.CancelledError:
                 for ask in (*group, *self.waiting):
@@ -208,9 +209,10 @@ class Admission:
         bus is read a buffer at a time and each call's handler reaches the queue in a turn of
         the loop of its own, so a burst arrives over several turns (32 at once made groups of
         26 and 6, the second waiting for the first's jobs). While the queue grew since it held
-        ``seen`` requests, one more turn, GATHER_TURNS at most; a lone request waits none."""
+        ``seen`` requests and holds less than a group, one more turn, GATHER_TURNS at most; a
+        lone request waits none."""
         for _ in range(GATHER_TURNS):
-            if len(self.waiting) == seen:
+            if len(self.waiting) == seen or len(self.waiting) >= self.limit:
                 return
             seen = len(self.waiting)
             await asyncio.sleep(0)

@@ -8,6 +8,7 @@ cpuservice.host.systemd.Systemd; unit tests use an in-memory fake).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -150,8 +151,9 @@ class Engine:
                 ahead = publish.Ahead(self.events, (old, old_topology, reports),
                                       (new, topology, reports), changed, change.reasons,
                                       self.strain)
-                await publish.meanwhile(reconcile.execute(
-                    reconcile.Transaction(change.steps + tx.ops), self.effector), ahead.steps())
+                await publish.meanwhile(functools.partial(
+                    reconcile.execute, reconcile.Transaction(change.steps + tx.ops),
+                    self.effector), ahead.steps())
             if change.durability is Durability.AFTER:
                 self.store.save(new, changed)
         except Exception as exc:

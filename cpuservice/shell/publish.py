@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
 
 from cpuservice.apply import partitions, views
 from cpuservice.model import lending
@@ -124,19 +123,28 @@ class Ahead:
         return None if self.failed else self.events
 
 
-async def meanwhile(work: Coroutine[Any, Any, None], steps: Iterator[None]) -> None:
-    """Run ``work`` (a transaction) and, while it waits for systemd, take ``steps``, one per
-    turn of the loop (a reply from systemd waits for one step at most; a group commit's
-    events do not hold back its calls), until it ends; what is left is left. A failure of
-    ``work`` is raised as it is; cancelling this cancels ``work``."""
-    task = asyncio.ensure_future(work)
+async def meanwhile(work: Callable[[Callable[[], None]], Awaitable[None]],
+                    steps: Iterator[None]) -> None:
+    """Await ``work`` (a transaction, handed what to call just before its last calls to
+    systemd) and, once those calls are sent and it waits for them, take ``steps``, one per turn
+    of the loop (a reply from systemd waits for one step at most), until it ends; what is left
+    is left. The steps are the loop's callbacks: ``work`` is awaited as it is, its failure
+    raised and a cancellation handed to it."""
+    loop = asyncio.get_running_loop()
+    over = False
+
+    def step() -> None:
+        if over or next(steps, _END) is _END:
+            return
+        loop.call_soon(step)
+
+    def last() -> None:  # two turns on: the last calls are sent by the transaction's next
+        loop.call_soon(loop.call_soon, step)  # step, or by the tasks of its gather
+
     try:
-        await asyncio.sleep(0)  # the task's first step: up to its first wait
-        for _ in steps:
-            if task.done():
-                break
-            await asyncio.sleep(0)
-        await task
-    except BaseException:
-        task.cancel()
-        raise
+        await work(last)
+    finally:
+        over = True
+
+
+_END = object()

@@ -6,6 +6,7 @@ would have marshalled it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -36,6 +37,8 @@ class Preparer:
         self.prepared[-1].append(event)
 
     def __getattr__(self, kind: str) -> Any:
+        if kind not in set(Kind):
+            raise AttributeError(kind)
         return lambda *args: self.delivered.append(Event(Kind(kind), args))
 
 
@@ -99,11 +102,47 @@ def test_a_failed_change_delivers_nothing_it_prepared(tmp_path: Path) -> None:
         host = Host(tmp_path)
         svc = await host.service()
         svc.events = sink = Preparer()
+        gate = Gate(host)
         host.fake.fail_at(2)  # the shared slice shrinks, the new slice is refused
+        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
+        await gate.reached.wait()
+        for _ in range(8):
+            await asyncio.sleep(0)
+        assert [e.kind for e in sink.prepared[-1]] == [Kind.ADDED, Kind.POOLS, Kind.MANAGER]
+        gate.open.set()
         with pytest.raises(SystemdFailure):
-            await svc.allocate("b1", "1", BIND, 0)
-        assert sink.prepared and sink.delivered == []
+            await call
+        assert sink.delivered == []
         assert "b1" not in svc.ledger.allocations
+    asyncio.run(body())
+
+
+def test_nothing_is_prepared_before_the_last_calls_are_sent(tmp_path: Path) -> None:
+    """The steps wait for the transaction's last group (the new slice's start): the write of
+    the shared slice before it is not held up by them."""
+    async def body() -> None:
+        host = Host(tmp_path)
+        svc = await host.service()
+        svc.events = sink = Preparer()
+        seen: list[int] = []
+        set_properties = host.fake.set_properties
+
+        async def counted(unit: str, props: Any, missing_ok: bool = False) -> None:
+            seen.append(len(sink.prepared))
+            for _ in range(8):  # systemd working on it: turns of the loop go by
+                await asyncio.sleep(0)
+            seen.append(len(sink.prepared))
+            await set_properties(unit, props, missing_ok)
+
+        host.fake.set_properties = counted  # type: ignore[method-assign]
+        gate = Gate(host)
+        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
+        await gate.reached.wait()
+        for _ in range(8):
+            await asyncio.sleep(0)
+        gate.open.set()
+        await call
+        assert seen == [0, 0] and len(sink.prepared) == 1
     asyncio.run(body())
 
 
@@ -183,3 +222,47 @@ def test_the_outbox_sends_what_it_made_only_for_the_very_values() -> None:
     _, other = outbox.take(Kind.POOLS, "0-3", "", "")  # other values: made for them
     assert other is not pools and bytes(other[0].body[0], "ascii") == b"0-3"
     assert outbox._ready == {}
+
+
+def test_the_manager_sends_what_dbus_fast_itself_sends(tmp_path: Path) -> None:
+    """Side by side on one Bus (not connected: what it would send is kept): the signals the
+    Manager made ahead for an Allocate and a Resize, and the ones dbus-fast's own @signal and
+    emit_properties_changed send for the same values, byte for byte."""
+    from cpuservice.bus.api import Bus, Manager
+    from cpuservice.host.authz import Authority
+
+    async def body() -> None:
+        host = Host(tmp_path, "c")
+        svc = await host.service()
+        listening = socket.socket(socket.AF_UNIX)  # dbus-fast 1.84 connects when made
+        listening.bind(str(tmp_path / "bus"))
+        listening.listen()
+        bus = Bus(bus_address=f"unix:path={tmp_path / 'bus'}")
+        sent: list[Message] = []
+        bus.send = sent.append  # type: ignore[method-assign,assignment]
+        manager = Manager(svc, bus, Authority(bus))
+        manager.export_all()
+        svc.subscribe(events := Preparer())
+        await svc.allocate("b1", "1", BIND, 0)
+        await svc.resize("b1", "2")
+        ours, sent[:] = list(sent), []
+        for event in events.delivered:  # dbus-fast's own, for the same values
+            kind, args = event
+            if kind is Kind.ADDED:
+                manager.AllocationAdded(args[0], path_of(args[0]))
+            elif kind is Kind.CHANGED:
+                manager.objects[args[0]].emit_properties_changed(dict(args[2]))
+                manager.AllocationChanged(args[0], path_of(args[0]), args[1])
+            elif kind is Kind.POOLS:
+                manager.PoolsChanged(*args)
+            elif kind is Kind.MANAGER:
+                manager.emit_properties_changed(dict(args[0]), list(args[1]))
+        theirs = list(sent)
+        ours = [m for m in ours if m.member != "InterfacesAdded"]  # (never dbus-fast's)
+        assert [m.member for m in ours] == [m.member for m in theirs]
+        assert "PropertiesChanged" in [m.member for m in ours if m.path != PATH]
+        for serial, (a, b) in enumerate(zip(ours, theirs, strict=True), start=1):
+            a.serial = b.serial = serial
+            assert bytes(a._marshall(False)) == bytes(b._marshall(False)), a.member
+        listening.close()
+    asyncio.run(body())
