@@ -25,6 +25,7 @@ from cpuservice.bus.objects import (
     PATH,
     Allocation,
     Bus,
+    Spares,
     boundary,
     capture_sender,
     path_of,
@@ -66,7 +67,8 @@ class Manager(Callers, ServiceInterface):
         self.authority = authority
         self.objects: dict[str, Allocation] = {}
         self._values: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
-        self.outbox = Outbox(lambda name: Allocation(self, name), self.introspect)
+        self.spares = Spares(self)  # Allocation objects unexported, made over
+        self.outbox = Outbox(self.spares.new, self.introspect)
         self.exported = False  # on the bus (export_all): its own signals are sent
         self._uids = OrderedDict()
         self._asking = {}
@@ -87,7 +89,7 @@ class Manager(Callers, ServiceInterface):
                 self._export(name)
 
     def _export(self, name: str, obj: Allocation | None = None) -> Allocation:
-        obj = obj or Allocation(self, name)
+        obj = obj or self.spares.new(name)
         self.objects[name] = obj
         self.bus.export(path_of(name), obj)
         self.reads.exported(path_of(name), obj)
@@ -112,10 +114,11 @@ class Manager(Callers, ServiceInterface):
 
     def allocation_removed(self, name: str) -> None:
         _, messages = self.outbox.take(Kind.REMOVED, name)
-        self.objects.pop(name, None)
+        obj = self.objects.pop(name, None)
         self._values.pop(name, None)
         self.bus.unexport(path_of(name))
         self.reads.unexported(path_of(name))
+        self.spares.keep(obj)
         self._send(messages)
 
     def allocation_changed(self, name: str, reason: str, changed: Mapping[str, Any]) -> None:

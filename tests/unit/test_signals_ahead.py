@@ -266,3 +266,31 @@ def test_the_manager_sends_what_dbus_fast_itself_sends(tmp_path: Path) -> None:
             assert bytes(a._marshall(False)) == bytes(b._marshall(False)), a.member
         listening.close()
     asyncio.run(body())
+
+
+def test_an_unexported_allocation_object_is_made_over_for_the_next(tmp_path: Path) -> None:
+    """Made over, not made again (dbus-fast walks the class's members for each one made): the
+    object of a released allocation serves the next one, at its own path, with its values."""
+    from cpuservice.bus.api import Bus, Manager
+    from cpuservice.host.authz import Authority
+
+    async def body() -> None:
+        host = Host(tmp_path, "c")
+        svc = await host.service()
+        listening = socket.socket(socket.AF_UNIX)
+        listening.bind(str(tmp_path / "bus"))
+        listening.listen()
+        bus = Bus(bus_address=f"unix:path={tmp_path / 'bus'}")
+        bus.send = lambda message: None  # type: ignore[method-assign,assignment,return-value]
+        manager = Manager(svc, bus, Authority(bus))
+        manager.export_all()
+        await svc.allocate("b1", "1", BIND, 0)
+        first = manager.objects["b1"]
+        await svc.release("b1")
+        assert "b1" not in manager.objects and path_of("b1") not in bus._path_exports
+        await svc.allocate("b2", "2", BIND, 0)
+        assert manager.objects["b2"] is first and first.allocation == "b2"
+        assert first.values()["CPUs"] == "2" and first.values()["Name"] == "b2"
+        assert path_of("b2") in bus._path_exports
+        listening.close()
+    asyncio.run(body())
