@@ -57,16 +57,26 @@ class Gate:
         host.fake.start_transient = held  # type: ignore[method-assign]
 
 
+async def held(tmp_path: Path, fail_at: int = 0
+               ) -> tuple[Any, Preparer, Gate, asyncio.Future[Any]]:
+    """A bound Allocate whose new slice's start systemd holds (Gate), a Preparer its one sink,
+    once its events had their turns; ``fail_at``: the fake's mutating call that fails."""
+    host = Host(tmp_path)
+    svc = await host.service()
+    svc.events = sink = Preparer()
+    gate = Gate(host)
+    if fail_at:
+        host.fake.fail_at(fail_at)
+    call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
+    await gate.reached.wait()
+    for _ in range(8):  # one event a turn of the loop
+        await asyncio.sleep(0)
+    return svc, sink, gate, call
+
+
 def test_the_events_are_prepared_while_systemd_applies_the_change(tmp_path: Path) -> None:
     async def body() -> None:
-        host = Host(tmp_path)
-        svc = await host.service()
-        svc.events = sink = Preparer()
-        gate = Gate(host)
-        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
-        await gate.reached.wait()
-        for _ in range(8):  # one event a turn of the loop
-            await asyncio.sleep(0)
+        _, sink, gate, call = await held(tmp_path)
         assert [e.kind for e in sink.prepared[-1]] == [Kind.ADDED, Kind.POOLS, Kind.MANAGER]
         assert sink.delivered == []  # nothing is seen before the change is applied
         gate.open.set()
@@ -79,14 +89,7 @@ def test_the_events_are_prepared_while_systemd_applies_the_change(tmp_path: Path
 
 def test_events_are_derived_again_when_the_strain_changed_meanwhile(tmp_path: Path) -> None:
     async def body() -> None:
-        host = Host(tmp_path)
-        svc = await host.service()
-        svc.events = sink = Preparer()
-        gate = Gate(host)
-        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
-        await gate.reached.wait()
-        for _ in range(8):  # one event a turn of the loop
-            await asyncio.sleep(0)
+        svc, sink, gate, call = await held(tmp_path)
         (prepared,) = [e for e in sink.prepared[-1] if e.kind is Kind.ADDED]
         assert prepared.args[1]["HealthReason"] == ""
         svc.engine.strain = MappingProxyType({"b1": ("pressured",)})  # the figures, meanwhile
@@ -99,15 +102,8 @@ def test_events_are_derived_again_when_the_strain_changed_meanwhile(tmp_path: Pa
 
 def test_a_failed_change_delivers_nothing_it_prepared(tmp_path: Path) -> None:
     async def body() -> None:
-        host = Host(tmp_path)
-        svc = await host.service()
-        svc.events = sink = Preparer()
-        gate = Gate(host)
-        host.fake.fail_at(2)  # the shared slice shrinks, the new slice is refused
-        call = asyncio.ensure_future(svc.allocate("b1", "1", BIND, 0))
-        await gate.reached.wait()
-        for _ in range(8):
-            await asyncio.sleep(0)
+        # the shared slice shrinks, the new slice is refused
+        svc, sink, gate, call = await held(tmp_path, fail_at=2)
         assert [e.kind for e in sink.prepared[-1]] == [Kind.ADDED, Kind.POOLS, Kind.MANAGER]
         gate.open.set()
         with pytest.raises(SystemdFailure):
