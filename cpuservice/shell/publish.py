@@ -1,6 +1,6 @@
 """What a committed change tells the bus: the events, with their values, for what changed
-(``events``, pure: the engine derives them while systemd applies the change), and their
-delivery to the sinks (``deliver``)."""
+(``each``, ``changes``: pure; the engine derives them while systemd applies the change), and
+their delivery to the sinks (``deliver``)."""
 
 from __future__ import annotations
 
