@@ -9,14 +9,15 @@ machine) lends them; a borrower (unbound, option borrow, as many CPUs as the mac
 ``stress-ng --cpu`` with one worker per online CPU, so that it covers every lent CPU. ``check``
 makes the owner busy (two spinning processes in its slice) and watches, every 10 ms, the borrow
 slice's ``cpuset.cpus.effective``, the borrower's cgroup's, each borrower task's
-``Cpus_allowed_list`` and the CPU it last ran on: from the first instant the withdrawal is seen,
-no borrower may be on a withdrawn core again. Then the owner goes idle (lent again), and one of
-its threads, pinned to one of its CPUs, spins for a while (issue 37: lending is per core): every
-10 ms the CPU each owner thread that ran since the last look ran on last, and where the
-borrower is; from the withdrawal of that core on, no borrower may be on a core, or its sibling,
-that an owner thread ran on in the previous 50 ms (a sample of the daemon), while the owner's
-other core stays lent. Then the owner is released while lent, and a new bound allocation takes
-the same CPUs: the borrower must never be on them again.
+``Cpus_allowed_list`` and the CPU it ran on (if it ran since the look before: one asleep keeps
+the CPU it last ran on, even one no longer in its mask): from the first instant the withdrawal
+is seen, no borrower may be on a withdrawn core again. Then the owner goes idle (lent again),
+and one of its threads, pinned to one of its CPUs, spins for a while (issue 37: lending is per
+core): every 10 ms the CPU each owner thread that ran since the last look ran on last, and
+where the borrower is; from the withdrawal of that core on, no borrower may be on a core, or
+its sibling, that an owner thread ran on in the previous 50 ms (a sample of the daemon), while
+the owner's other core stays lent. Then the owner is released while lent, and a new bound
+allocation takes the same CPUs: the borrower must never be on them again.
 
 ``bench`` runs one cyclictest (SCHED_OTHER, a low duty cycle: one wake-up every 10 ms per
 thread) on the owner's CPUs, with the borrower running, and measures two windows of it: lent,
@@ -106,16 +107,14 @@ def tasks(cgroup: Path) -> list[int]:
     return out
 
 
-def task_cpus(tid: int) -> tuple[set[int], int] | None:
-    """A thread's Cpus_allowed_list and the CPU it last ran on (None: it is gone)."""
+def task_allowed(tid: int) -> set[int] | None:
+    """A thread's Cpus_allowed_list (None: it is gone)."""
     try:
         status = Path(f"/proc/{tid}/status").read_text()
-        stat = Path(f"/proc/{tid}/stat").read_text()
     except OSError:
         return None
-    allowed = next(parse(line.split(":", 1)[1].strip()) for line in status.splitlines()
-                   if line.startswith("Cpus_allowed_list:"))
-    return allowed, int(stat.rsplit(")", 1)[1].split()[36])  # field 39: processor
+    return next(parse(line.split(":", 1)[1].strip()) for line in status.splitlines()
+                if line.startswith("Cpus_allowed_list:"))
 
 
 def cpu_user(cpus: set[int]) -> float:
@@ -212,23 +211,25 @@ class Lab:
                 f"{max(windows, default=0):.1f} %, mean {sum(windows) / max(1, len(windows)):.1f} "
                 f"%; threads: {', '.join(shares)}")
 
-    def borrower_on(self, cpus: set[int]) -> list[str]:
+    def borrower_on(self, cpus: set[int], ran: Ran) -> list[str]:
         """Where the borrower is on ``cpus``: the borrow slice's and its own cgroup's
-        effective CPUs, its tasks' masks, the CPU each last ran on."""
+        effective CPUs, its tasks' masks, the CPU each ran on last if it ran since the look
+        before (``ran``: a thread asleep keeps the CPU it last ran on, even one its mask no
+        longer has)."""
         found = []
         own = group_of("lend-borrower")
         for name, group in (("borrow slice", BORROW), ("borrower cgroup", own)):
             if effective(group) & cpus:
                 found.append(f"{name} effective {sorted(effective(group) & cpus)}")
         for tid in tasks(own):
-            seen = task_cpus(tid)
-            if seen is None:
+            allowed = task_allowed(tid)
+            if allowed is None:
                 continue
-            allowed, last = seen
             if allowed & cpus:
                 found.append(f"task {tid} Cpus_allowed_list {sorted(allowed)}")
+            last = ran.last(tid)
             if last in cpus:
-                found.append(f"task {tid} last ran on {last}")
+                found.append(f"task {tid} ({ran.what(tid)}) ran on {last}")
         return found
 
     async def withdraw(self, seconds: float = 20.0) -> float:
@@ -276,26 +277,54 @@ class Lab:
             subprocess.run(["systemctl", "stop", unit], capture_output=True)
 
 
-async def watch(lab: Lab, cpus: set[int], seconds: float) -> list[str]:
+async def watch(lab: Lab, cpus: set[int], seconds: float, ran: Ran) -> list[str]:
     """Every 10 ms for ``seconds``: where the borrower is on ``cpus`` (should be nowhere)."""
     out: list[str] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
-        out += [f"{time.monotonic() - end + seconds:.3f}s: {x}" for x in lab.borrower_on(cpus)]
+        out += [f"{time.monotonic() - end + seconds:.3f}s: {x}"
+                for x in lab.borrower_on(cpus, ran)]
         await asyncio.sleep(0.01)
     return out
 
 
 async def ran_on(lab: Lab, seconds: float, enough: set[int] | None = None) -> set[int]:
-    """The CPUs the borrower's tasks were seen last running on, every 10 ms for ``seconds``, or
-    until one of them was one of ``enough``."""
+    """The CPUs the borrower's tasks ran on, looked at every 10 ms for ``seconds``, or until
+    one of them was one of ``enough``."""
     seen: set[int] = set()
+    ran = Ran()
     end = time.monotonic() + seconds
     while time.monotonic() < end and not (enough and seen & enough):
-        seen |= {x[1] for tid in tasks(group_of("lend-borrower"))
-                 if (x := task_cpus(tid)) is not None}
+        seen |= {cpu for tid in tasks(group_of("lend-borrower"))
+                 if (cpu := ran.last(tid)) is not None}
         await asyncio.sleep(0.01)
     return seen
+
+
+class Ran:
+    """The CPU a thread ran on last, if it ran since the look before. A thread that sleeps
+    keeps, in /proc/TID/stat, the CPU it last ran on, even once its mask no longer has that
+    CPU: only its run time growing says it ran (there or where it is now). A thread seen for
+    the first time counts as having run."""
+
+    def __init__(self) -> None:
+        self.runtimes: dict[int, int] = {}
+
+    def last(self, tid: int) -> int | None:
+        seen, before, cpu = runtime(tid), self.runtimes.get(tid), last_cpu(tid)
+        if seen is None or cpu is None:
+            return None
+        self.runtimes[tid] = seen
+        return cpu if before is None or seen > before else None
+
+    @staticmethod
+    def what(tid: int) -> str:
+        """The thread's name and state, for a report."""
+        try:
+            stat = Path(f"/proc/{tid}/stat").read_text()
+        except OSError:
+            return "gone"
+        return f"{stat[stat.index('(') + 1:stat.rindex(')')]} {stat.rsplit(')', 1)[1].split()[0]}"
 
 
 # the kernel updates a cgroup's effective CPUs, then its tasks' masks, in one write: a look
@@ -349,6 +378,7 @@ async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
     thread ran on in the previous WINDOW (or since the look before) is a violation."""
     owner = thread_files(group_of(lab.owner_unit))
     own = thread_files(group_of("lend-borrower"))
+    borrower = Ran()
     spinner_core = core_of(min(lab.cpus))
     others = lab.cpus - spinner_core
     cores = {cpu: core_of(cpu) for cpu in lab.cpus}
@@ -374,7 +404,7 @@ async def per_core(lab: Lab, seconds: float) -> dict[str, object]:
                 ran |= cores.get(cpu) or core_of(cpu)
         history.append((now, ran))
         borrow = effective(BORROW)
-        on = {cpu for tid in threads_of(own) if (cpu := last_cpu(tid)) is not None}
+        on = {cpu for tid in threads_of(own) if (cpu := borrower.last(tid)) is not None}
         if withdrawn_at is None and not borrow & spinner_core:
             withdrawn_at = now
         if (others <= borrow) != lent_before:
@@ -421,8 +451,10 @@ async def check(c: Client) -> None:
                borrow_slice=sorted(effective(BORROW)),
                borrower_cgroup=sorted(effective(group_of("lend-borrower"))), ran_on_lent=ran)
         ms = await lab.withdraw()
-        settle = await watch(lab, lab.cpus, SETTLE)
-        result(check="withdrawn", ms=ms, settle=settle, after=await watch(lab, lab.cpus, 3.0),
+        ran = Ran()  # the looks while it settles are the first: each thread counts there
+        settle = await watch(lab, lab.cpus, SETTLE, ran)
+        result(check="withdrawn", ms=ms, settle=settle,
+               after=await watch(lab, lab.cpus, 3.0, ran),
                lent=sorted(await lab.lent()))
         lab.idle()
         again = await lab.wait_lent()
@@ -434,8 +466,9 @@ async def check(c: Client) -> None:
         await c.call("Release", "s", ["owner"])
         await c.call("Allocate", "ssa{sv}", ["newowner", str(len(lab.cpus)), {
             "bind": Variant("b", True), "cpuset": Variant("s", ",".join(map(str, lab.cpus)))}])
-        settle = await watch(lab, lab.cpus, SETTLE)
-        result(check="new-owner", settle=settle, after=await watch(lab, lab.cpus, 2.0),
+        ran = Ran()
+        settle = await watch(lab, lab.cpus, SETTLE, ran)
+        result(check="new-owner", settle=settle, after=await watch(lab, lab.cpus, 2.0, ran),
                borrow_slice=sorted(effective(BORROW)))
         await c.call("Release", "s", ["newowner"])
     finally:
