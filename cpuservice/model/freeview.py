@@ -12,6 +12,7 @@ checks that a carried view always equals one built from the ledger.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Protocol
 
 from cpuservice.model.cpuset import CPUSet
@@ -20,6 +21,7 @@ from cpuservice.model.topology import Cell, Topology
 # placement/pack.py's view of its candidates: wide, single and loose (classify)
 Classes = tuple[Collection[int], Collection[int], Collection[int]]
 SPREAD_PCPUS = "spread-pcpus"  # request.Policy.SPREAD_PCPUS (a StrEnum: equal to its value)
+_NONE: frozenset[int] = frozenset()
 
 
 class _Options(Protocol):
@@ -82,8 +84,8 @@ class FreeView:
     the CPUs it moves, not at the cell), so that a choice does not count the threads of every
     core of the cell it lands in."""
 
-    __slots__ = ("_ow", "_whole_counts", "cells", "counts", "isolated", "shared", "spread",
-                 "topology")
+    __slots__ = ("_ow", "_whole_cells", "_whole_counts", "cells", "counts", "isolated", "shared",
+                 "spread", "topology")
 
     def __init__(self, topology: Topology, cells: dict[Cell, frozenset[int]],
                  counts: dict[int, int], shared: int, isolated: int) -> None:
@@ -96,6 +98,7 @@ class FreeView:
         # only where cores lie in one cell: Topology.cells.nested)
         self._ow: dict[Cell, frozenset[int]] = {}
         self._whole_counts: dict[int, int] | None = None  # of whole_view, when asked
+        self._whole_cells: dict[Cell, frozenset[int]] | None = None  # whole_view's cells
         # core -> how many of its threads spread-pcpus allocations hold (placement/free.py
         # spread_cores), filled in by the first choice that asks
         self.spread: dict[int, int] | None = None
@@ -143,7 +146,9 @@ class FreeView:
 
     def whole_view(self) -> tuple[dict[Cell, frozenset[int]], dict[int, int]]:
         """whole() of every cell, and their number per node (nodes with any)."""
-        cells = {cell: self.whole(cell) for cell in self.cells}
+        cells = self._whole_cells
+        if cells is None:
+            cells = self._whole_cells = {cell: self.whole(cell) for cell in self.cells}
         if self._whole_counts is None:
             counts: dict[int, int] = {}
             for (x, _), cs in cells.items():
@@ -157,47 +162,77 @@ class FreeView:
         """The view of ``new``: ``old`` (this view's ledger) without the bound allocation
         ``gone`` and with the bound allocation ``added`` (either may be None). ``new`` must know
         its exclusive CPUs and fragment pieces (Ledger._with carries them)."""
-        leave: list[int] = []  # CPUs no longer free
-        back: list[int] = []  # CPUs free again
+        leave: AbstractSet[int] = _NONE  # CPUs no longer free
+        back: AbstractSet[int] = _NONE  # CPUs free again
         if gone is None and added is not None:  # the common cases first: one allocation
-            leave += added.whole.ids
-            if added.fragment and added.fragment.cpu not in old.fragment_pieces:
-                leave.append(added.fragment.cpu)
+            leave = added.whole.ids
+            fragment = added.fragment
+            if fragment and fragment.cpu not in old.fragment_pieces:
+                leave = leave | {fragment.cpu}
         elif added is None and gone is not None:
-            back += gone.whole.ids
-            if gone.fragment and gone.fragment.cpu not in new.fragment_pieces:
-                back.append(gone.fragment.cpu)
+            back = gone.whole.ids
+            fragment = gone.fragment
+            if fragment and fragment.cpu not in new.fragment_pieces:
+                back = back | {fragment.cpu}
         else:  # one replaced by another (resize, repair): ask both ledgers
             old_x, old_f = old.exclusive.ids, old.fragment_pieces
             new_x, new_f = new.exclusive.ids, new.fragment_pieces
+            went: set[int] = set()
+            came: set[int] = set()
             for c in {c for a in (gone, added) if a is not None for c in a.held}:
                 was = c not in old_x and c not in old_f
                 if was != (c not in new_x and c not in new_f):
-                    (back if not was else leave).append(c)
+                    (came if not was else went).add(c)
+            leave, back = went, came
         online, reserved, isolated = old.online.ids, old.reserved.ids, old.isolated.ids
         shared, free_isolated = self.shared, self.isolated
         node_of = self.topology.levels[1]
-        moved: dict[int, tuple[list[int], list[int]]] = {}
+        node_cpus = self.topology.cells.nodes
+        moved: dict[int, list[Collection[int]]] = {}  # node -> [CPUs out, CPUs in]
         for cpus, sign, i in ((leave, -1, 0), (back, 1, 1)):
-            for c in cpus:
-                if c not in online:
-                    continue
-                if c in isolated:
-                    free_isolated += sign * (c not in reserved)
-                else:
-                    shared += sign
-                if c not in reserved:  # Ledger.allocatable (free_isolated has no reserved CPU)
-                    moved.setdefault(node_of[c], ([], []))[i].append(c)
-        spread = self._spread_after(gone, added)
+            if not cpus:
+                continue
+            if not cpus <= online:
+                cpus = cpus & online
+            if isolated and not isolated.isdisjoint(cpus):
+                iso = cpus & isolated
+                free_isolated += sign * len(iso - reserved)
+                shared += sign * (len(cpus) - len(iso))
+            else:
+                shared += sign * len(cpus)
+            mine = cpus - reserved if reserved else cpus  # Ledger.allocatable
+            if not mine:
+                continue
+            x = node_of[next(iter(mine))]
+            if mine <= node_cpus[x, -1]:  # the common case: one node
+                moved.setdefault(x, [_NONE, _NONE])[i] = mine
+                continue
+            per_node: dict[int, list[int]] = {}
+            for c in mine:
+                per_node.setdefault(node_of[c], []).append(c)
+            for x, part in per_node.items():
+                moved.setdefault(x, [_NONE, _NONE])[i] = part
+        spread = self.spread
+        if spread is not None and (
+                (gone is not None and gone.request.options.policy == SPREAD_PCPUS)
+                or (added is not None and added.request.options.policy == SPREAD_PCPUS)):
+            spread = self._spread_after(gone, added)
         if not moved:
             view = FreeView(self.topology, self.cells, self.counts, shared, free_isolated)
             view._ow, view._whole_counts, view.spread = self._ow, self._whole_counts, spread
+            view._whole_cells = self._whole_cells
             return view
-        cells = dict(self.cells)
-        counts = dict(self.counts)
-        ow = dict(self._ow)
-        whole_counts = None if self._whole_counts is None else dict(self._whole_counts)
-        of, partial = self.topology.core_threads.of, self.topology.core_threads.partial
+        cells = self.cells.copy()
+        counts = self.counts.copy()
+        ow = self._ow.copy()
+        whole_counts = self._whole_counts
+        if whole_counts is not None:
+            whole_counts = whole_counts.copy()
+        whole_cells = self._whole_cells
+        if whole_cells is not None:
+            whole_cells = whole_cells.copy()
+        threads = self.topology.core_threads
+        of, partial = threads.of, threads.partial
         reorder = False
         for x, (out, into) in moved.items():
             cell = (x, -1)
@@ -206,23 +241,29 @@ class FreeView:
             left = counts.get(x, 0) - len(before) + len(now)
             cells[cell] = now
             if left:
-                reorder |= x not in counts
+                if x not in counts:
+                    reorder = True
                 counts[x] = left
             else:
                 counts.pop(x, None)
             had = ow.get(cell)
             if had is None:
-                whole_counts = None
+                whole_counts = whole_cells = None
                 continue
             # less the cores of the CPUs that left, plus those now wholly allocatable
-            has = had.difference(*[of[c] for c in out]) if out else had
-            ow[cell] = has = has.union(*[of[c] for c in into if of[c] <= now]) if into else has
+            has = had.difference(*map(of.__getitem__, out)) if out else had
+            if into:
+                has = has.union(*[of[c] for c in into if of[c] <= now])
+            ow[cell] = has
+            if whole_cells is not None:
+                whole_cells[cell] = has.difference(partial) if partial else has
             if whole_counts is not None:  # whole(cell)'s number per node (whole_view)
                 left = whole_counts.get(x, 0) + (len(has.difference(partial))
                                                  - len(had.difference(partial)) if partial
                                                  else len(has) - len(had))
                 if left:
-                    reorder |= x not in whole_counts
+                    if x not in whole_counts:
+                        reorder = True
                     whole_counts[x] = left
                 else:
                     whole_counts.pop(x, None)
@@ -232,6 +273,7 @@ class FreeView:
                 whole_counts = {x: whole_counts[x] for x in sorted(whole_counts)}
         view = FreeView(self.topology, cells, counts, shared, free_isolated)
         view._ow, view._whole_counts, view.spread = ow, whole_counts, spread
+        view._whole_cells = whole_cells
         return view
 
     def again(self, new: Ledger, changed: Sequence[tuple[Allocation, int]]) -> FreeView:
@@ -255,20 +297,20 @@ class FreeView:
         (-1) or added (1)."""
         if self.spread is None:
             return None
-        changed = [(a, sign) for a, sign in changed
-                   if a.request.options.policy == SPREAD_PCPUS]
-        if not changed:
-            return self.spread
-        spread = dict(self.spread)
+        spread: dict[int, int] | None = None
         core_of = self.topology.levels[3]
         for a, sign in changed:
+            if a.request.options.policy != SPREAD_PCPUS:
+                continue
+            if spread is None:
+                spread = self.spread.copy()
             for c in a.whole.ids:
-                left = spread.get(core_of[c], 0) + sign
+                left = spread.get(k := core_of[c], 0) + sign
                 if left:
-                    spread[core_of[c]] = left
+                    spread[k] = left
                 else:
-                    del spread[core_of[c]]
-        return spread
+                    del spread[k]
+        return self.spread if spread is None else spread
 
 
 def classify(topology: Topology, cands: Collection[int]

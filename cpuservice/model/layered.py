@@ -177,9 +177,13 @@ def layered(mapping: Mapping[str, V]) -> MutableMapping[str, V]:
     the table: dict(m) and {**m} insert every key again once one was deleted), or, past
     LAYERED_FROM keys, a Layered (from then on its copies are). A MappingProxyType copies
     what it wraps."""
-    if isinstance(mapping, Layered):
+    kind = type(mapping)  # exact types first: isinstance of an ABC's subclass asks ABCMeta
+    if kind is MappingProxyType or kind is dict:
+        out = mapping.copy()  # type: ignore[attr-defined]
+    elif isinstance(mapping, Layered):
         return mapping.copy()
-    out = mapping.copy() if isinstance(mapping, (dict, MappingProxyType)) else dict(mapping)
-    if isinstance(out, dict) and len(out) >= LAYERED_FROM:
+    else:
+        out = mapping.copy() if isinstance(mapping, (dict, MappingProxyType)) else dict(mapping)
+    if type(out) is dict and len(out) >= LAYERED_FROM:
         return Layered.owning(out)
-    return out
+    return out  # type: ignore[no-any-return]

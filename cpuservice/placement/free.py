@@ -47,6 +47,15 @@ class Free:
     another on this view (capacity), so the choice code may walk counts per cell instead of
     looking at every candidate (choose._walk)."""
 
+    # slots: past 30 attributes an instance's dict is no longer shared-key (CPython), and every
+    # store in __init__ inserts into a growing dict
+    __slots__ = ("_carried", "_everything", "_fragments_in", "_free", "_free_isolated",
+                 "_packed", "_primary", "_rooms", "_shy", "_stale", "_takeable", "_views",
+                 "carried", "cell_of", "cells", "core_of", "devices", "g", "groups", "hide",
+                 "in_node", "isolated", "l3_of", "ledger", "locked", "min_shared", "mine",
+                 "near", "near_required", "node_of", "numa_failed", "numa_failed_near", "opts",
+                 "shared", "soft", "steps", "topology", "used_cores", "used_nodes")
+
     def __init__(self, topology: Topology, ledger: Ledger, opts: Options,
                  hide: CPUSet = EMPTY, *, steps: bool = False) -> None:
         self.topology = topology
@@ -102,6 +111,7 @@ class Free:
         self._stale: dict[str, set[Cell]] = {}
         self._primary: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
         self._packed: dict[tuple[Cell, str], tuple[list[int], ...]] = {}
+        self._carried: bool | None = None  # _carries but for the key
 
     @property
     def rooms(self) -> dict[int, int]:
@@ -213,12 +223,15 @@ class Free:
 
     def view(self, key: str) -> View:
         """The candidates for ``key`` per cell, and their count per node."""
+        if (known := self._views.get(key)) is not None and not self._stale[key]:
+            return known
         if key not in self._views and self._carries(key):
             cells_, counts_ = (self.carried.whole_view() if self.opts.policy == Policy.FULL_PCPUS
                                else (self.carried.cells, self.carried.counts))
             # not copied: only steps (capacity) change a view
-            self._views[key] = cast(View, (cells_, counts_))
+            known = self._views[key] = cast(View, (cells_, counts_))
             self._stale[key] = set()
+            return known
         if key not in self._views:
             cands = self.candidates(key)
             if not self.steps:
@@ -247,9 +260,11 @@ class Free:
         """The carried view (Ledger.free_view) is this key's view: one choice, no exclusivity,
         no mark or subset, nothing hidden, no core kept for others (config keep_near), the
         takeable CPUs the allocatable ones, cores in one node each (full-pcpus filters by core
-        per cell)."""
-        return (key == Exclusive.NONE and not self.steps and not self.hide and not self.locked
-                and self.budget() > 0 and self.cells.nested)
+        per cell). (One choice: nothing it asks changes, so the answer is kept.)"""
+        if self._carried is None:
+            self._carried = (not self.steps and not self.hide and not self.locked
+                             and self.budget() > 0 and self.cells.nested)
+        return self._carried and key == Exclusive.NONE
 
     def classes(self, key: str, nodes: Collection[int]) -> Classes | None:
         """pack's classes of everything(key, nodes), carried with the free view per node (one
@@ -325,8 +340,10 @@ class Free:
             self._fragments_in.setdefault((1, self.node_of[cpu]), set()).add(cpu)
             self._fragments_in.setdefault((2, self.l3_of[cpu]), set()).add(cpu)
 
-    def from_shared(self, taken: Iterable[int]) -> int:
+    def from_shared(self, taken: Collection[int]) -> int:
         """How many of ``taken`` (free CPUs) leave the shared pool."""
+        if not self.isolated:
+            return len(taken)
         return sum(c not in self.isolated for c in taken)
 
     def leaving(self, cpus: CPUSet) -> int:

@@ -61,9 +61,16 @@ def _nodes_for(
     """The NUMA nodes to place in, in order of preference, from the candidates' count per node
     (nodes with none left out)."""
     align = opts.numa_alignment
+    sign = 1 if opts.numa_strategy == NumaStrategy.MOST_ALLOCATED else -1
+    if not anchor:  # the common case: min(singles, key=order) below, without the closures
+        first: tuple[int, int] | None = None
+        for x, k in free.items():
+            if k >= n and (first is None or (sign * k, x) < first):
+                first = (sign * k, x)
+        if first is not None:
+            return [first[1]]
     node_of = topology.levels[1]
     anchored = {node_of[c] for c in anchor}
-    sign = 1 if opts.numa_strategy == NumaStrategy.MOST_ALLOCATED else -1
 
     def order(x: int) -> tuple[bool, int, int]:
         return (x not in anchored, sign * free[x], x)

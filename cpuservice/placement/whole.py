@@ -25,6 +25,8 @@ def check_amount(ledger: Ledger, request: Request) -> None:
     online = len(ledger.online)
     if request.cpus > online:
         raise InsufficientCPUs(f"{request.cpus} CPUs is more than this machine's {online} online")
+    if not request.fraction:  # whole CPUs: whole pieces
+        return
     pieces = request.cpus * ledger.granularity
     if pieces != int(pieces):
         step = Decimal(1) / ledger.granularity
@@ -57,7 +59,8 @@ def bound_cpus(
     n = request.whole
     _check_policy(topology, request)
     free = Free(topology, ledger, opts, keep)
-    pieces = int(request.fraction * ledger.granularity)
+    fraction = request.fraction
+    pieces = int(fraction * ledger.granularity) if fraction else 0
     prefer = keep_fragment.cpu if keep_fragment is not None and keep_fragment.cpu in \
         ledger.online else None
     if n <= len(keep):
