@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from itertools import chain
+from typing import Final
 
 MAX_CPU_ID = 8191  # the kernel's largest NR_CPUS
 
@@ -51,14 +52,17 @@ _DECODED_MAX = 512
 class CPUSet:
     """Sorted, hashable, immutable set of non-negative ids with set algebra."""
 
-    __slots__ = ("_ids", "_mask", "_sorted", "_text")
+    __slots__ = ("_mask", "_sorted", "_text", "ids")
+    # the ids as a frozenset: a slot rather than a property (read on every change, a call each);
+    # Final, so that mypy refuses any assignment but the two below
+    ids: Final[frozenset[int]]
 
     def __init__(self, ids: Iterable[int] = ()) -> None:
         frozen = frozenset(ids)
         for cpu in frozen:
             if not isinstance(cpu, int) or cpu < 0 or cpu > MAX_CPU_ID:
                 raise CPUSetError(f"CPU id {cpu!r} is out of range 0..{MAX_CPU_ID}")
-        self._ids = frozen
+        self.ids = frozen
         self._sorted: tuple[int, ...] | None = None
         self._text: str | None = None
         self._mask: bytes | None = None
@@ -67,7 +71,7 @@ class CPUSet:
     def _trusted(cls, ids: frozenset[int]) -> CPUSet:
         """Wrap ids that are already known to be valid (results of set algebra)."""
         new = cls.__new__(cls)
-        new._ids = ids
+        new.ids = ids  # type: ignore[misc]  # a new object's only assignment (Final)
         new._sorted = None
         new._text = None
         new._mask = None
@@ -129,8 +133,8 @@ class CPUSet:
         """Encode as systemd's little-endian byte mask (empty set -> empty bytes; computed
         once)."""
         if self._mask is None:
-            out = bytearray(max(self._ids) // 8 + 1 if self._ids else 0)
-            for cpu in self._ids:
+            out = bytearray(max(self.ids) // 8 + 1 if self.ids else 0)
+            for cpu in self.ids:
                 out[cpu // 8] |= 1 << (cpu % 8)
             self._mask = bytes(out)
         return self._mask
@@ -155,12 +159,8 @@ class CPUSet:
 
     def sorted(self) -> tuple[int, ...]:
         if self._sorted is None:
-            self._sorted = tuple(sorted(self._ids))
+            self._sorted = tuple(sorted(self.ids))
         return self._sorted
-
-    @property
-    def ids(self) -> frozenset[int]:
-        return self._ids
 
     def __str__(self) -> str:
         return self.format()
@@ -172,42 +172,42 @@ class CPUSet:
         return iter(self.sorted())
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self.ids)
 
     def __bool__(self) -> bool:
-        return bool(self._ids)
+        return bool(self.ids)
 
     def __contains__(self, cpu: object) -> bool:
-        return cpu in self._ids
+        return cpu in self.ids
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, CPUSet) and self._ids == other._ids
+        return isinstance(other, CPUSet) and self.ids == other.ids
 
     def __hash__(self) -> int:
-        return hash(self._ids)
+        return hash(self.ids)
 
     def __or__(self, other: CPUSet) -> CPUSet:
-        return CPUSet._trusted(self._ids | other._ids)
+        return CPUSet._trusted(self.ids | other.ids)
 
     def __and__(self, other: CPUSet) -> CPUSet:
-        return CPUSet._trusted(self._ids & other._ids)
+        return CPUSet._trusted(self.ids & other.ids)
 
     def __sub__(self, other: CPUSet) -> CPUSet:
-        return CPUSet._trusted(self._ids - other._ids)
+        return CPUSet._trusted(self.ids - other.ids)
 
     def __le__(self, other: CPUSet) -> bool:
-        return self._ids <= other._ids
+        return self.ids <= other.ids
 
     def __ge__(self, other: CPUSet) -> bool:
-        return self._ids >= other._ids
+        return self.ids >= other.ids
 
     def isdisjoint(self, other: CPUSet) -> bool:
-        return self._ids.isdisjoint(other._ids)
+        return self.ids.isdisjoint(other.ids)
 
     @staticmethod
     def union_all(sets: Iterable[CPUSet]) -> CPUSet:
         """Union of any number of sets."""
-        return CPUSet._trusted(frozenset().union(*(s._ids for s in sets)))
+        return CPUSet._trusted(frozenset().union(*(s.ids for s in sets)))
 
     def first(self) -> int:
         """The smallest id; the set must not be empty."""

@@ -138,6 +138,25 @@ class FreeView:
         whole = self._whole_online(cell)
         return whole & threads.wide, whole - threads.full, self.cells[cell] - whole
 
+    def primaries(self, cell: Cell, shy: Collection[int]) -> Classes | None:
+        """spread-pcpus' primaries in a cell (pack._pick): the lowest free thread of each
+        partly free core that spread-pcpus uses (``shy``), of each wholly free core, of each
+        other partly free core; None where cores do not lie in one cell."""
+        if not self.topology.cells.nested:
+            return None
+        whole = self._whole_online(cell)
+        full = whole & self.topology.core_threads.first
+        loose = self.cells[cell] - whole
+        if not loose:
+            return (), full, ()
+        core_of = self.topology.levels[3]
+        lowest: dict[int, int] = {}
+        for c in loose:
+            if (k := core_of[c]) not in lowest or c < lowest[k]:
+                lowest[k] = c
+        return ([c for k, c in lowest.items() if k in shy], full,
+                [c for k, c in lowest.items() if k not in shy])
+
     def full_classes(self, cell: Cell) -> Classes:
         """classify of whole(cell), full-pcpus' candidates in the cell."""
         threads = self.topology.core_threads

@@ -243,7 +243,7 @@ class Ledger:
             if added is not None and added.whole:
                 exclusive = exclusive | added.whole
             new.__dict__["exclusive"] = exclusive
-        moved = [a for a in (gone, added) if a is not None and a.fragment]
+        moved = (gone is not None and gone.fragment) or (added is not None and added.fragment)
         if "fragment_pieces" in known and not moved:
             new.__dict__["fragment_pieces"] = known["fragment_pieces"]
             if "fragment" in known:

@@ -74,12 +74,14 @@ class CoreThreads:
     cores of a cell with a few set operations per change instead of counting threads.
     ``of``: cpu -> the online threads of its core (itself included); ``wide``: the lowest
     thread of each core whose threads_per_core threads are all online; ``full``: the threads
-    of those cores; ``partial``: the online threads of cores with an offline thread."""
+    of those cores; ``partial``: the online threads of cores with an offline thread;
+    ``first``: the lowest online thread of each core."""
 
     of: Mapping[int, frozenset[int]]
     wide: frozenset[int]
     full: frozenset[int]
     partial: frozenset[int]
+    first: frozenset[int]
 
 
 def _group(cpus: Mapping[int, CPU], key: str) -> dict[int, CPUSet]:
@@ -171,7 +173,8 @@ class Topology:
         return CoreThreads(
             {c: online.get(info.core, frozenset()) | {c} for c, info in self.cpus.items()},
             frozenset(min(t) for t in full), frozenset().union(*full),
-            frozenset().union(*(t for k, t in online.items() if len(t) < size[k])))
+            frozenset().union(*(t for k, t in online.items() if len(t) < size[k])),
+            frozenset(min(t) for t in online.values() if t))
 
     @cached_property
     def core_step(self) -> int:

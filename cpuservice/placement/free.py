@@ -267,13 +267,14 @@ class Free:
         return self._carried and key == Exclusive.NONE
 
     def classes(self, key: str, nodes: Collection[int]) -> Classes | None:
-        """pack's classes of everything(key, nodes), carried with the free view per node (one
-        node, packed or full-pcpus, the carried view's key); None: pack classifies them
-        itself."""
-        if (len(nodes) != 1 or self.opts.policy == Policy.SPREAD_PCPUS
-                or key not in self._views or not self._carries(key)):
+        """pack's classes of everything(key, nodes), or spread-pcpus' primaries there (pack._pick),
+        carried with the free view per node (one node, the carried view's key); None: _pick
+        finds them itself."""
+        if len(nodes) != 1 or key not in self._views or not self._carries(key):
             return None
         cell = self.in_node[next(iter(nodes))][0]
+        if self.opts.policy == Policy.SPREAD_PCPUS:
+            return self.carried.primaries(cell, self.shy())
         if self.opts.policy == Policy.FULL_PCPUS:
             return self.carried.full_classes(cell)
         return self.carried.classes(cell)

@@ -29,19 +29,26 @@ def _pick(
 ) -> list[int]:
     """``n`` of ``cands`` as ``policy`` takes them (``shy()``: the cores spread-pcpus
     allocations use, asked for only when they matter; ``level``: the candidates lie in one
-    group of every level above it, e.g. 2 for one NUMA node of one socket)."""
+    group of every level above it, e.g. 2 for one NUMA node of one socket; ``classes``: pack's
+    classes of ``cands``, or for spread-pcpus its primaries, when known)."""
     if policy != Policy.SPREAD_PCPUS:
         return pack(topology, cands, n, near, strict=policy == Policy.FULL_PCPUS, shy=shy,
                     level=level, classes=classes)
-    core_of = topology.levels[3]
-    cores: dict[int, list[int]] = {}
-    for c in cands:
-        cores.setdefault(core_of[c], []).append(c)
-    spread = shy()
-    size = topology.sizes[3]
-    paired = [min(t) for k, t in cores.items() if len(t) != size[k] and k in spread]
-    full = [min(t) for k, t in cores.items() if len(t) == size[k]]
-    partial = [min(t) for k, t in cores.items() if len(t) != size[k] and k not in spread]
+    paired: Collection[int]
+    full: Collection[int]
+    partial: Collection[int]
+    if classes is not None:  # FreeView.primaries
+        paired, full, partial = classes
+    else:
+        core_of = topology.levels[3]
+        cores: dict[int, list[int]] = {}
+        for c in cands:
+            cores.setdefault(core_of[c], []).append(c)
+        spread = shy()
+        size = topology.sizes[3]
+        paired = [min(t) for k, t in cores.items() if len(t) != size[k] and k in spread]
+        full = [min(t) for k, t in cores.items() if len(t) == size[k]]
+        partial = [min(t) for k, t in cores.items() if len(t) != size[k] and k not in spread]
     out: list[int] = []
     for primaries in (paired, full, partial):
         out += _take(topology, primaries, min(n - len(out), len(primaries)), near, level)
@@ -168,6 +175,9 @@ def _whole_cores_of(
     return out if len(out) == n or not exact else []
 
 
+_NO_GROUPS: frozenset[int] = frozenset()
+
+
 def _take(
     topology: Topology, cands: Collection[int], n: int, near: frozenset[int], level: int = 0
 ) -> list[int]:
@@ -184,7 +194,7 @@ def _take(
         parts.setdefault(key_of[c], []).append(c)
     if len(parts) == 1:
         return _take(topology, cands, n, near, level + 1)
-    near_groups = {key_of[c] for c in near}
+    near_groups = set(map(key_of.__getitem__, near)) if near else _NO_GROUPS
 
     def fit(g: int) -> tuple[bool, int, int]:
         return (g not in near_groups, len(parts[g]), g)
