@@ -152,7 +152,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
                 out += _pick(topology, free.everything(key, (x,)), quota,
                              near | frozenset(out), opts.policy, free.shy, free.level((x,)))
             return out
-        counts = dict(zip(nodes, map(counts.__getitem__, nodes)))  # (no comprehension's frame)
+        counts = dict(zip(nodes, map(counts.__getitem__, nodes), strict=True))  # no comp frame
     if free.steps and not near and free.cells.nested:  # the walks assume nothing near
         if opts.policy == Policy.SPREAD_PCPUS:
             return _spread(free, key, cands, counts, n)

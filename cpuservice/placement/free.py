@@ -47,8 +47,7 @@ class Free:
     another on this view (capacity), so the choice code may walk counts per cell instead of
     looking at every candidate (choose._walk)."""
 
-    # slots: past 30 attributes an instance's dict is no longer shared-key (CPython), and every
-    # store in __init__ inserts into a growing dict
+    # slots: past 30 attributes CPython no longer shares an instance dict's keys
     __slots__ = ("_carried", "_everything", "_fragments_in", "_free", "_free_isolated",
                  "_packed", "_primary", "_rooms", "_shy", "_stale", "_takeable", "_views",
                  "carried", "cell_of", "cells", "core_of", "devices", "g", "groups", "hide",
