@@ -47,6 +47,12 @@ def assert_fresh(topology: Topology, ledger: Ledger) -> None:
         if topology.cells.nested:  # and of its whole cores, full-pcpus' candidates
             assert [sorted(x) for x in carried.full_classes(cell)] == \
                 [sorted(x) for x in classify(topology, fresh.whole(cell))]
+    if topology.cells.nested:  # spread-pcpus' primaries of each cell, as _pick finds them
+        shy = spread_cores(topology, ledger)
+        for cell, cpus in fresh.cells.items():
+            got = carried.primaries(cell, shy)
+            assert got is not None
+            assert [sorted(x) for x in got] == primaries(topology, cpus, shy)
     if carried.spread is not None:  # the threads spread-pcpus allocations hold, per core
         core_of, spread = topology.levels[3], Counter[int]()
         for a in ledger.bound.values():
@@ -54,6 +60,19 @@ def assert_fresh(topology: Topology, ledger: Ledger) -> None:
                 spread.update(core_of[c] for c in a.whole)
         assert carried.spread == dict(spread)
         assert set(carried.spread) == spread_cores(topology, ledger)
+
+
+def primaries(topology: Topology, cands: frozenset[int], shy: frozenset[int]
+              ) -> list[list[int]]:
+    """The lowest candidate thread of each partly free core spread-pcpus uses (shy), of each
+    wholly free core, of each other partly free core, by grouping the candidates by core."""
+    core_of, size = topology.levels[3], topology.sizes[3]
+    cores: dict[int, list[int]] = {}
+    for c in cands:
+        cores.setdefault(core_of[c], []).append(c)
+    return [sorted(min(t) for k, t in cores.items() if len(t) != size[k] and k in shy),
+            sorted(min(t) for k, t in cores.items() if len(t) == size[k]),
+            sorted(min(t) for k, t in cores.items() if len(t) != size[k] and k not in shy)]
 
 
 def walk(topology: Topology, ledger: Ledger, rng: random.Random, steps: int) -> None:
