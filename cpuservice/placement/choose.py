@@ -49,6 +49,8 @@ def take_whole(free: Free, n: int, anchor: CPUSet = EMPTY) -> list[int]:
         with contextlib.suppress(InsufficientCPUs):
             return _first(free, n, anchor, MINE, NOT_MINE)
     try:
+        if free.near is None:  # (_near_whole's first step)
+            return _take_whole(free, n, anchor, "")
         return _near_whole(free, n, anchor, "")
     except InsufficientCPUs:
         if not (free.soft and free.locked):
@@ -161,8 +163,8 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
         got = _packed(free, key, cands, counts, n)  # packed or full-pcpus
         if got is not None:
             return got
-    return _pick(topology, free.everything(key, counts), n, near, opts.policy, free.shy,
-                 free.level(counts), free.classes(key, counts))
+    cands_in, level, classes = free.picking(key, counts)
+    return _pick(topology, cands_in, n, near, opts.policy, free.shy, level, classes)
 
 
 def _spread(free: Free, key: str, cands: Mapping[Cell, Collection[int]],

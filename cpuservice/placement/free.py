@@ -265,18 +265,18 @@ class Free:
                              and self.budget() > 0 and self.cells.nested)
         return self._carried and key == Exclusive.NONE
 
-    def classes(self, key: str, nodes: Collection[int]) -> Classes | None:
-        """pack's classes of everything(key, nodes), or spread-pcpus' primaries there (pack._pick),
-        carried with the free view per node (one node, the carried view's key); None: _pick
-        finds them itself."""
-        if len(nodes) != 1 or key not in self._views or not self._carries(key):
-            return None
-        cell = self.in_node[next(iter(nodes))][0]
-        if self.opts.policy == Policy.SPREAD_PCPUS:
-            return self.carried.primaries(cell, self.shy())
-        if self.opts.policy == Policy.FULL_PCPUS:
-            return self.carried.full_classes(cell)
-        return self.carried.classes(cell)
+    def picking(self, key: str, nodes: Collection[int]
+                ) -> tuple[Collection[int], int, Classes | None]:
+        """everything(key, nodes), level(nodes), and pack's classes of those candidates or
+        spread-pcpus' primaries there (pack._pick), carried with the free view per node where
+        one node's candidates are the carried view's (None: _pick finds them itself)."""
+        if len(nodes) == 1 and not self.steps and self._carries(key):
+            cell, policy, view = self.in_node[next(iter(nodes))][0], self.opts.policy, self.carried
+            classes = (view.primaries(cell, self.shy()) if policy == Policy.SPREAD_PCPUS else
+                       view.full_classes(cell) if policy == Policy.FULL_PCPUS else
+                       view.classes(cell))
+            return self.view(key)[0][cell], self.level(nodes), classes
+        return self.everything(key, nodes), self.level(nodes), None
 
     def everything(self, key: str, nodes: Collection[int]) -> Collection[int]:
         """The candidates for ``key`` in ``nodes`` (nodes with candidates)."""

@@ -203,7 +203,7 @@ def _take(
     if n >= 2 and len(parts) == len(cands):  # one candidate per group: none holds n
         # what the loop below does then: whole groups (of one CPU) first, then the rest, each
         # in order of fit
-        ranked = sorted(parts, key=fit)
+        ranked = sorted(parts, key=fit) if near_groups else sorted(parts)  # (fit: by g then)
         firsts = [g for g in ranked if whole_groups[g] == 1][:n]
         if len(firsts) < n:
             chosen = set(firsts)
