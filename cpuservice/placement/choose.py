@@ -123,7 +123,9 @@ def _isolated_first(free: Free, avoid: str, n: int, anchor: CPUSet) -> list[int]
     """Free isolated CPUs (kernel isolcpus: never shared, meant for bound work) come first: a
     request they can hold takes them, and one the shared pool's budget cannot cover takes all
     of them and the rest from the shared pool (not where NUMA alignment is strict)."""
-    iso_view, iso_counts = free.view(f"{avoid}/iso") if free.free_isolated else ({}, {})
+    if not free.free_isolated:  # (the rest of this is about them)
+        return _take_in_nodes(free, avoid, n, anchor)
+    iso_view, iso_counts = free.view(f"{avoid}/iso")
     n_iso = sum(iso_counts.values())
     if n_iso and n_iso >= n:
         with contextlib.suppress(InsufficientCPUs):
@@ -318,7 +320,7 @@ def _choice(free: Free, n: int, pieces: int, anchor: CPUSet, prefer: int | None,
         whole = _near_whole(free, n, anchor, marks)
     else:
         whole = _take_whole(free, n, anchor, marks)
-    left = free.budget() - free.from_shared(whole) - free.leaving(anchor)
+    left = free.budget() - free.from_shared(whole) - (free.leaving(anchor) if anchor else 0)
     if left < 0:
         raise floor(free, left)
     if not pieces:

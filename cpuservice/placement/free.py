@@ -74,7 +74,7 @@ class Free:
         # the allocatable shared CPUs and the free isolated ones (take replaces them), derived
         # from the ledger when first asked for
         self._free: frozenset[int] | None = None
-        self._free_isolated: frozenset[int] | None = None if self.carried.isolated else frozenset()
+        self._free_isolated: frozenset[int] | None = None if self.carried.isolated else EMPTY.ids
         # the cells views are kept in: a single choice needs only nodes
         self.groups = self.cells.cpus if steps else self.cells.nodes
         self.in_node = self.cells.in_node if steps else self.cells.node_in
@@ -98,8 +98,8 @@ class Free:
         # cores kept next to devices: those this request's devices have first (mine), those
         # kept for others (locked: never, or when-full only when nothing else fits)
         keep = ledger.keep
-        self.mine: frozenset[int] = keep.mine(devices).ids if keep.nodes else frozenset()
-        self.locked: frozenset[int] = (keep.cpus.ids - self.mine) if keep.nodes else frozenset()
+        self.mine: frozenset[int] = keep.mine(devices).ids if keep.nodes else EMPTY.ids
+        self.locked: frozenset[int] = (keep.cpus.ids - self.mine) if keep.nodes else EMPTY.ids
         self.soft = keep.soft
         self._shy: set[int] | None = None
         self._takeable: frozenset[int] | None = None

@@ -57,7 +57,8 @@ def bound_cpus(
         return _explicit(topology, ledger, request.cpuset), None
     opts = request.options
     n = request.whole
-    _check_policy(topology, request)
+    if opts.policy == Policy.FULL_PCPUS:
+        _check_policy(topology, request)
     free = Free(topology, ledger, opts, keep)
     fraction = request.fraction
     pieces = int(fraction * ledger.granularity) if fraction else 0
