@@ -287,9 +287,9 @@ class FreeView:
                 else:
                     whole_counts.pop(x, None)
         if reorder:  # nodes in the order a fresh view lists them
-            counts = {x: counts[x] for x in sorted(counts)}
+            counts = dict(sorted(counts.items()))
             if whole_counts is not None:
-                whole_counts = {x: whole_counts[x] for x in sorted(whole_counts)}
+                whole_counts = dict(sorted(whole_counts.items()))
         view = FreeView(self.topology, cells, counts, shared, free_isolated)
         view._ow, view._whole_counts, view.spread = ow, whole_counts, spread
         view._whole_cells = whole_cells
