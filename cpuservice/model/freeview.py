@@ -99,8 +99,8 @@ class FreeView:
         self._ow: dict[Cell, frozenset[int]] = {}
         self._whole_counts: dict[int, int] | None = None  # of whole_view, when asked
         self._whole_cells: dict[Cell, frozenset[int]] | None = None  # whole_view's cells
-        # core -> how many of its threads spread-pcpus allocations hold (placement/free.py
-        # spread_cores), filled in by the first choice that asks
+        # core -> how many of its threads spread-pcpus allocations hold (Free.shy), filled in
+        # by the first choice that asks
         self.spread: dict[int, int] | None = None
 
     @classmethod

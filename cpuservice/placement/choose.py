@@ -29,10 +29,16 @@ from cpuservice.placement.nodes import _nodes_for, _quotas
 from cpuservice.placement.pack import _pick, _take, no_whole_cores, whole_core_step
 from cpuservice.placement.refusals import floor, refusal, shortage, too_few
 
+# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
+_NUMA = Exclusive.NUMA
+_NO_ALIGNMENT = NumaAlignment.NONE
+_DISTRIBUTE_EVENLY = NumaStrategy.DISTRIBUTE_EVENLY
+_SPREAD_PCPUS = Policy.SPREAD_PCPUS
+
 
 def attempts(opts: Options) -> tuple[Exclusive, ...]:
     """The exclusivity take_whole tries in turn: numa falls back to pcpu."""
-    if opts.exclusive == Exclusive.NUMA:
+    if opts.exclusive == _NUMA:
         return Exclusive.NUMA, Exclusive.PCPU
     return (opts.exclusive,)
 
@@ -104,7 +110,7 @@ def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
     kept = bool(mark) and mark not in (NEAR, FAR)  # marked MINE, NOT_MINE, LOCKED or ANY
     for avoid in attempts(free.opts):
         failed = free.numa_failed_near if near_only else free.numa_failed
-        if avoid == Exclusive.NUMA and failed and not kept:
+        if avoid == _NUMA and failed and not kept:
             continue
         try:
             return _isolated_first(free, avoid + mark, n, anchor)
@@ -147,9 +153,9 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
     available = sum(counts.values())
     if available < n:
         raise shortage(free.ledger, too_few(n, available, opts.policy))
-    if opts.numa_alignment != NumaAlignment.NONE and len(topology.nodes) > 1:
+    if opts.numa_alignment != _NO_ALIGNMENT and len(topology.nodes) > 1:
         nodes = _nodes_for(topology, free.ledger, counts, n, opts, anchor)
-        if opts.numa_strategy == NumaStrategy.DISTRIBUTE_EVENLY and len(nodes) > 1:
+        if opts.numa_strategy == _DISTRIBUTE_EVENLY and len(nodes) > 1:
             out: list[int] = []
             quotas = _quotas(topology, [counts[x] for x in nodes], n, opts.policy)
             for x, quota in zip(nodes, quotas, strict=False):
@@ -158,7 +164,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
             return out
         counts = dict(zip(nodes, map(counts.__getitem__, nodes), strict=True))  # no comp frame
     if free.steps and not near and free.cells.nested:  # the walks assume nothing near
-        if opts.policy == Policy.SPREAD_PCPUS:
+        if opts.policy == _SPREAD_PCPUS:
             return _spread(free, key, cands, counts, n)
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)

@@ -23,6 +23,9 @@ from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Exclusive, NearPolicy, Options, Policy
 from cpuservice.model.topology import Topology
 
+# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
+_NO_EXCLUSIVE, _FULL_PCPUS, _SPREAD_PCPUS = Exclusive.NONE, Policy.FULL_PCPUS, Policy.SPREAD_PCPUS
+
 Cell = tuple[int, int]  # (NUMA node, L3 group or -1)
 # a key's marks (see Free.candidates): only the CPUs next to the devices of option near, or
 # only the others; of the cores kept next to devices (cpuservice.model.keep): only those kept
@@ -31,14 +34,6 @@ Cell = tuple[int, int]  # (NUMA node, L3 group or -1)
 NEAR, FAR = "+near", "+far"
 MINE, NOT_MINE, LOCKED, ANY = "+mine", "+notmine", "+locked", "+any"
 View = tuple[dict[Cell, AbstractSet[int]], dict[int, int]]
-
-
-def spread_cores(topology: Topology, ledger: Ledger) -> frozenset[int]:
-    """Cores on which a spread-pcpus allocation holds a thread: packed leaves their other
-    threads to later spread-pcpus requests while other threads will do."""
-    core_of = topology.levels[3]
-    return frozenset(core_of[c] for a in ledger.bound.values()
-                     if a.request.options.policy == Policy.SPREAD_PCPUS for c in a.whole)
 
 
 class Free:
@@ -82,7 +77,7 @@ class Free:
         self._fragments_in: dict[tuple[int, int], set[int]] | None = None
         self.used_cores: set[int] = set()
         self.used_nodes: set[int] = set()
-        if opts.exclusive != Exclusive.NONE:
+        if opts.exclusive != _NO_EXCLUSIVE:
             for a in ledger.bound.values():
                 if a.request.options.exclusive == opts.exclusive:
                     self._use(a.held)
@@ -146,8 +141,9 @@ class Free:
         return max(0, self.shared - self.min_shared)
 
     def shy(self) -> Collection[int]:
-        """The cores spread-pcpus allocations use (spread_cores), asked for only when they
-        matter."""
+        """The cores on which spread-pcpus allocations hold a thread (packed leaves their other
+        threads to later spread-pcpus requests while other threads will do), asked for only
+        when they matter."""
         if self._shy is None:
             view = self.carried
             if view.spread is None:  # carried on to the next ledgers from here
@@ -225,7 +221,7 @@ class Free:
         if (known := self._views.get(key)) is not None and not self._stale[key]:
             return known
         if key not in self._views and self._carries(key):
-            cells_, counts_ = (self.carried.whole_view() if self.opts.policy == Policy.FULL_PCPUS
+            cells_, counts_ = (self.carried.whole_view() if self.opts.policy == _FULL_PCPUS
                                else (self.carried.cells, self.carried.counts))
             # not copied: only steps (capacity) change a view
             known = self._views[key] = cast(View, (cells_, counts_))
@@ -263,7 +259,7 @@ class Free:
         if self._carried is None:
             self._carried = (not self.steps and not self.hide and not self.locked
                              and self.budget() > 0 and self.cells.nested)
-        return self._carried and key == Exclusive.NONE
+        return self._carried and key == _NO_EXCLUSIVE
 
     def picking(self, key: str, nodes: Collection[int]
                 ) -> tuple[Collection[int], int, Classes | None]:
@@ -272,8 +268,8 @@ class Free:
         one node's candidates are the carried view's (None: _pick finds them itself)."""
         if len(nodes) == 1 and not self.steps and self._carries(key):
             cell, policy, view = self.in_node[next(iter(nodes))][0], self.opts.policy, self.carried
-            classes = (view.primaries(cell, self.shy()) if policy == Policy.SPREAD_PCPUS else
-                       view.full_classes(cell) if policy == Policy.FULL_PCPUS else
+            classes = (view.primaries(cell, self.shy()) if policy == _SPREAD_PCPUS else
+                       view.full_classes(cell) if policy == _FULL_PCPUS else
                        view.classes(cell))
             return self.view(key)[0][cell], self.level(nodes), classes
         return self.everything(key, nodes), self.level(nodes), None

@@ -21,7 +21,6 @@ from cpuservice.model.freeview import FreeView, classify
 from cpuservice.model.pools import Allocation, Ledger
 from cpuservice.model.request import Request
 from cpuservice.model.topology import Topology
-from cpuservice.placement.free import spread_cores
 from cpuservice.placement.repack import repack
 from cpuservice.placement.repair import repair
 from tests.props import examples
@@ -60,6 +59,13 @@ def assert_fresh(topology: Topology, ledger: Ledger) -> None:
                 spread.update(core_of[c] for c in a.whole)
         assert carried.spread == dict(spread)
         assert set(carried.spread) == spread_cores(topology, ledger)
+
+
+def spread_cores(topology: Topology, ledger: Ledger) -> frozenset[int]:
+    """Cores on which a spread-pcpus allocation holds a thread, from the allocations."""
+    core_of = topology.levels[3]
+    return frozenset(core_of[c] for a in ledger.bound.values()
+                     if a.request.options.policy == "spread-pcpus" for c in a.whole)
 
 
 def primaries(topology: Topology, cands: frozenset[int], shy: frozenset[int]
