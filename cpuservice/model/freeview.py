@@ -88,7 +88,11 @@ class FreeView:
                  "spread", "topology")
 
     def __init__(self, topology: Topology, cells: dict[Cell, frozenset[int]],
-                 counts: dict[int, int], shared: int, isolated: int) -> None:
+                 counts: dict[int, int], shared: int, isolated: int,
+                 ow: dict[Cell, frozenset[int]] | None = None,
+                 whole_counts: dict[int, int] | None = None,
+                 whole_cells: dict[Cell, frozenset[int]] | None = None,
+                 spread: dict[int, int] | None = None) -> None:
         self.topology = topology
         self.cells = cells
         self.counts = counts
@@ -96,12 +100,12 @@ class FreeView:
         self.isolated = isolated
         # cell -> its CPUs whose core's online threads are all allocatable (cells asked for;
         # only where cores lie in one cell: Topology.cells.nested)
-        self._ow: dict[Cell, frozenset[int]] = {}
-        self._whole_counts: dict[int, int] | None = None  # of whole_view, when asked
-        self._whole_cells: dict[Cell, frozenset[int]] | None = None  # whole_view's cells
+        self._ow: dict[Cell, frozenset[int]] = {} if ow is None else ow
+        self._whole_counts = whole_counts  # of whole_view, when asked
+        self._whole_cells = whole_cells  # whole_view's cells, when asked
         # core -> how many of its threads spread-pcpus allocations hold (Free.shy), filled in
         # by the first choice that asks
-        self.spread: dict[int, int] | None = None
+        self.spread = spread
 
     @classmethod
     def build(cls, topology: Topology, ledger: Ledger) -> FreeView:
@@ -237,10 +241,8 @@ class FreeView:
                 or (added is not None and added.request.options.policy == SPREAD_PCPUS)):
             spread = self._spread_after(gone, added)
         if not moved:
-            view = FreeView(self.topology, self.cells, self.counts, shared, free_isolated)
-            view._ow, view._whole_counts, view.spread = self._ow, self._whole_counts, spread
-            view._whole_cells = self._whole_cells
-            return view
+            return FreeView(self.topology, self.cells, self.counts, shared, free_isolated,
+                            self._ow, self._whole_counts, self._whole_cells, spread)
         cells = self.cells.copy()
         counts = self.counts.copy()
         ow = self._ow.copy()
@@ -290,10 +292,8 @@ class FreeView:
             counts = dict(sorted(counts.items()))
             if whole_counts is not None:
                 whole_counts = dict(sorted(whole_counts.items()))
-        view = FreeView(self.topology, cells, counts, shared, free_isolated)
-        view._ow, view._whole_counts, view.spread = ow, whole_counts, spread
-        view._whole_cells = whole_cells
-        return view
+        return FreeView(self.topology, cells, counts, shared, free_isolated, ow, whole_counts,
+                        whole_cells, spread)
 
     def again(self, new: Ledger, changed: Sequence[tuple[Allocation, int]]) -> FreeView:
         """The view of ``new``, this view's ledger after the bound allocations of ``changed``

@@ -43,7 +43,7 @@ def _new_allocation(topology: Topology, ledger: Ledger, name: str, request: Requ
     check_amount(ledger, request)
     if not request.options.bind:
         return Allocation(name, request)
-    whole, fragment = bound_cpus(topology, ledger, request, CPUSet(), None)
+    whole, fragment = bound_cpus(topology, ledger, request, EMPTY, None)
     return Allocation(name, request, whole, fragment)
 
 
