@@ -231,25 +231,26 @@ class Ledger:
         how many more borrow."""
         new = Ledger.__new__(Ledger)
         known = self.__dict__
-        new.__dict__.update(  # the fields, as a frozen dataclass keeps them
+        carried = new.__dict__
+        carried.update(  # the fields, as a frozen dataclass keeps them
             online=known["online"], reserved=known["reserved"], isolated=known["isolated"],
             granularity=known["granularity"], min_shared_cpus=known["min_shared_cpus"],
             allocations=MappingProxyType(allocations), bound=MappingProxyType(bound),
             keep=known["keep"])
         if "borrowers" in known:
-            new.__dict__["borrowers"] = known["borrowers"] + borrowers
+            carried["borrowers"] = known["borrowers"] + borrowers
         if "exclusive" in known:
             exclusive = known["exclusive"]
             if gone is not None and gone.whole:
                 exclusive = exclusive - gone.whole
             if added is not None and added.whole:
                 exclusive = exclusive | added.whole
-            new.__dict__["exclusive"] = exclusive
+            carried["exclusive"] = exclusive
         moved = (gone is not None and gone.fragment) or (added is not None and added.fragment)
         if "fragment_pieces" in known and not moved:
-            new.__dict__["fragment_pieces"] = known["fragment_pieces"]
+            carried["fragment_pieces"] = known["fragment_pieces"]
             if "fragment" in known:
-                new.__dict__["fragment"] = known["fragment"]
+                carried["fragment"] = known["fragment"]
         elif "fragment_pieces" in known:
             pieces = dict(known["fragment_pieces"])
             for a, sign in ((gone, -1), (added, 1)):
@@ -259,13 +260,15 @@ class Ledger:
                         pieces[a.fragment.cpu] = left
                     else:
                         pieces.pop(a.fragment.cpu, None)
-            new.__dict__["fragment_pieces"] = pieces
+            carried["fragment_pieces"] = pieces
         view: FreeView | None = known.get("_free_view")
-        if view is not None and "exclusive" in new.__dict__ and "fragment_pieces" in new.__dict__:
-            gone = gone if gone is not None and gone.bound else None
-            added = added if added is not None and added.bound else None
-            new.__dict__["_free_view"] = (view.after(self, new, gone, added)
-                                          if gone is not None or added is not None else view)
+        if view is not None and "exclusive" in carried and "fragment_pieces" in carried:
+            if gone is not None and not gone.request.options.bind:  # (Allocation.bound)
+                gone = None
+            if added is not None and not added.request.options.bind:
+                added = None
+            carried["_free_view"] = (view.after(self, new, gone, added)
+                                     if gone is not None or added is not None else view)
         return new
 
     def with_online(self, online: CPUSet, isolated: CPUSet | None = None) -> Ledger:
