@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -162,6 +163,7 @@ async def serve(cfg: config.Config, notifier: notify.Notifier | None = None) -> 
     if textfile is not None:
         textfile.write()
     sampler.start()
+    settle_heap()
     async def drain() -> None:
         try:  # nothing stays lent that no one watches (a restart lends again when idle)
             await service.lending.shutdown()
@@ -219,6 +221,17 @@ class JournalFormatter(logging.Formatter):
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return "\n".join(f"<{priority}>{line}" for line in text.splitlines())
+
+
+def settle_heap() -> None:
+    """What the start made (modules, the topology, the bus's interfaces: some 40,000 objects)
+    lives as long as the daemon: collected once, then frozen, so that no full collection walks
+    it again. A full collection of it took 9-15 ms of CPU on a 2-core host and about five
+    times that under the lab's emulated CPU, whenever one fell due: in an idle minute (the
+    guard's idle check saw 12 ms one run, 56 ms the next, both in two wake-ups) or in the
+    middle of an Allocate."""
+    gc.collect()
+    gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
