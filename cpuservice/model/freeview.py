@@ -17,10 +17,10 @@ from typing import Protocol
 
 from cpuservice.model.cpuset import CPUSet
 from cpuservice.model.topology import Cell, Topology
+from cpuservice.model.vocab import SPREAD_PCPUS
 
 # placement/pack.py's view of its candidates: wide, single and loose (classify)
 Classes = tuple[Collection[int], Collection[int], Collection[int]]
-SPREAD_PCPUS = "spread-pcpus"  # request.Policy.SPREAD_PCPUS (a StrEnum: equal to its value)
 _NONE: frozenset[int] = frozenset()
 
 

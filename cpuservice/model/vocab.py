@@ -42,6 +42,15 @@ class NumaAlignment(StrEnum):
     SINGLE_NUMA_NODE = "single-numa-node"
 
 
+# The words placement compares with on every call, as plain module globals: on Python 3.11
+# EnumType.__getattr__ makes every read of a member (Policy.FULL_PCPUS) a slow lookup, 45 ns
+# against 15 for a global (3.12 and later read members as fast).
+FULL_PCPUS, SPREAD_PCPUS = Policy.FULL_PCPUS, Policy.SPREAD_PCPUS
+NO_EXCLUSIVE, NUMA_EXCLUSIVE = Exclusive.NONE, Exclusive.NUMA
+NO_ALIGNMENT = NumaAlignment.NONE
+MOST_ALLOCATED, DISTRIBUTE_EVENLY = NumaStrategy.MOST_ALLOCATED, NumaStrategy.DISTRIBUTE_EVENLY
+
+
 class Lifetime(StrEnum):
     """How long an allocation lives (option ``lifetime``)."""
 

@@ -18,27 +18,20 @@ from cpuservice.model.cpuset import EMPTY, CPUSet
 from cpuservice.model.errors import InsufficientCPUs
 from cpuservice.model.request import (
     Exclusive,
-    NumaAlignment,
-    NumaStrategy,
     Options,
     Policy,
 )
+from cpuservice.model.vocab import DISTRIBUTE_EVENLY, NO_ALIGNMENT, NUMA_EXCLUSIVE, SPREAD_PCPUS
 from cpuservice.placement.fragment import STRICT_ALIGNMENT, _take_fragment, take_fragment
 from cpuservice.placement.free import ANY, FAR, LOCKED, MINE, NEAR, NOT_MINE, Cell, Free
 from cpuservice.placement.nodes import _nodes_for, _quotas
 from cpuservice.placement.pack import _pick, _take, no_whole_cores, whole_core_step
 from cpuservice.placement.refusals import floor, refusal, shortage, too_few
 
-# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
-_NUMA = Exclusive.NUMA
-_NO_ALIGNMENT = NumaAlignment.NONE
-_DISTRIBUTE_EVENLY = NumaStrategy.DISTRIBUTE_EVENLY
-_SPREAD_PCPUS = Policy.SPREAD_PCPUS
-
 
 def attempts(opts: Options) -> tuple[Exclusive, ...]:
     """The exclusivity take_whole tries in turn: numa falls back to pcpu."""
-    if opts.exclusive == _NUMA:
+    if opts.exclusive == NUMA_EXCLUSIVE:
         return Exclusive.NUMA, Exclusive.PCPU
     return (opts.exclusive,)
 
@@ -110,7 +103,7 @@ def _take_whole(free: Free, n: int, anchor: CPUSet, mark: str) -> list[int]:
     kept = bool(mark) and mark not in (NEAR, FAR)  # marked MINE, NOT_MINE, LOCKED or ANY
     for avoid in attempts(free.opts):
         failed = free.numa_failed_near if near_only else free.numa_failed
-        if avoid == _NUMA and failed and not kept:
+        if avoid == NUMA_EXCLUSIVE and failed and not kept:
             continue
         try:
             return _isolated_first(free, avoid + mark, n, anchor)
@@ -153,9 +146,9 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
     available = sum(counts.values())
     if available < n:
         raise shortage(free.ledger, too_few(n, available, opts.policy))
-    if opts.numa_alignment != _NO_ALIGNMENT and len(topology.nodes) > 1:
+    if opts.numa_alignment != NO_ALIGNMENT and len(topology.nodes) > 1:
         nodes = _nodes_for(topology, free.ledger, counts, n, opts, anchor)
-        if opts.numa_strategy == _DISTRIBUTE_EVENLY and len(nodes) > 1:
+        if opts.numa_strategy == DISTRIBUTE_EVENLY and len(nodes) > 1:
             out: list[int] = []
             quotas = _quotas(topology, [counts[x] for x in nodes], n, opts.policy)
             for x, quota in zip(nodes, quotas, strict=False):
@@ -164,7 +157,7 @@ def _take_in_nodes(free: Free, key: str, n: int, anchor: CPUSet) -> list[int]:
             return out
         counts = dict(zip(nodes, map(counts.__getitem__, nodes), strict=True))  # no comp frame
     if free.steps and not near and free.cells.nested:  # the walks assume nothing near
-        if opts.policy == _SPREAD_PCPUS:
+        if opts.policy == SPREAD_PCPUS:
             return _spread(free, key, cands, counts, n)
         if topology.threads_per_core == 1:
             return _walk(free, cands, counts, n)

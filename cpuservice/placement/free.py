@@ -22,9 +22,7 @@ from cpuservice.model.freeview import Classes, classify
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import Exclusive, NearPolicy, Options, Policy
 from cpuservice.model.topology import Topology
-
-# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
-_NO_EXCLUSIVE, _FULL_PCPUS, _SPREAD_PCPUS = Exclusive.NONE, Policy.FULL_PCPUS, Policy.SPREAD_PCPUS
+from cpuservice.model.vocab import FULL_PCPUS, NO_EXCLUSIVE, SPREAD_PCPUS
 
 Cell = tuple[int, int]  # (NUMA node, L3 group or -1)
 # a key's marks (see Free.candidates): only the CPUs next to the devices of option near, or
@@ -77,7 +75,7 @@ class Free:
         self._fragments_in: dict[tuple[int, int], set[int]] | None = None
         self.used_cores: set[int] = set()
         self.used_nodes: set[int] = set()
-        if opts.exclusive != _NO_EXCLUSIVE:
+        if opts.exclusive != NO_EXCLUSIVE:
             for a in ledger.bound.values():
                 if a.request.options.exclusive == opts.exclusive:
                     self._use(a.held)
@@ -221,7 +219,7 @@ class Free:
         if (known := self._views.get(key)) is not None and not self._stale[key]:
             return known
         if key not in self._views and self._carries(key):
-            cells_, counts_ = (self.carried.whole_view() if self.opts.policy == _FULL_PCPUS
+            cells_, counts_ = (self.carried.whole_view() if self.opts.policy == FULL_PCPUS
                                else (self.carried.cells, self.carried.counts))
             # not copied: only steps (capacity) change a view
             known = self._views[key] = cast(View, (cells_, counts_))
@@ -259,7 +257,7 @@ class Free:
         if self._carried is None:
             self._carried = (not self.steps and not self.hide and not self.locked
                              and self.budget() > 0 and self.cells.nested)
-        return self._carried and key == _NO_EXCLUSIVE
+        return self._carried and key == NO_EXCLUSIVE
 
     def picking(self, key: str, nodes: Collection[int]
                 ) -> tuple[Collection[int], int, Classes | None]:
@@ -268,8 +266,8 @@ class Free:
         one node's candidates are the carried view's (None: _pick finds them itself)."""
         if len(nodes) == 1 and not self.steps and self._carries(key):
             cell, policy, view = self.in_node[next(iter(nodes))][0], self.opts.policy, self.carried
-            classes = (view.primaries(cell, self.shy()) if policy == _SPREAD_PCPUS else
-                       view.full_classes(cell) if policy == _FULL_PCPUS else
+            classes = (view.primaries(cell, self.shy()) if policy == SPREAD_PCPUS else
+                       view.full_classes(cell) if policy == FULL_PCPUS else
                        view.classes(cell))
             return self.view(key)[0][cell], self.level(nodes), classes
         return self.everything(key, nodes), self.level(nodes), None

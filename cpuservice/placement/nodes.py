@@ -15,15 +15,12 @@ from cpuservice.model.errors import (
 from cpuservice.model.pools import Ledger
 from cpuservice.model.request import (
     NumaAlignment,
-    NumaStrategy,
     Options,
     Policy,
 )
 from cpuservice.model.topology import Topology
+from cpuservice.model.vocab import MOST_ALLOCATED
 from cpuservice.placement.pack import whole_core_step
-
-# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
-_MOST_ALLOCATED = NumaStrategy.MOST_ALLOCATED
 
 _MAX_COMBOS = 5_000
 
@@ -64,7 +61,7 @@ def _nodes_for(
     """The NUMA nodes to place in, in order of preference, from the candidates' count per node
     (nodes with none left out)."""
     align = opts.numa_alignment
-    sign = 1 if opts.numa_strategy == _MOST_ALLOCATED else -1
+    sign = 1 if opts.numa_strategy == MOST_ALLOCATED else -1
     if not anchor:  # the common case: min(singles, key=order) below, without the closures
         first: tuple[int, int] | None = None
         for x, k in free.items():

@@ -11,13 +11,8 @@ from cpuservice.model.errors import (
     InsufficientCPUs,
 )
 from cpuservice.model.freeview import Classes, classify
-from cpuservice.model.request import (
-    Policy,
-)
 from cpuservice.model.topology import Topology
-
-# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
-_SPREAD_PCPUS, _FULL_PCPUS = Policy.SPREAD_PCPUS, Policy.FULL_PCPUS
+from cpuservice.model.vocab import FULL_PCPUS, SPREAD_PCPUS
 
 
 def _pick(
@@ -34,8 +29,8 @@ def _pick(
     allocations use, asked for only when they matter; ``level``: the candidates lie in one
     group of every level above it, e.g. 2 for one NUMA node of one socket; ``classes``: pack's
     classes of ``cands``, or for spread-pcpus its primaries, when known)."""
-    if policy != _SPREAD_PCPUS:
-        return pack(topology, cands, n, near, strict=policy == _FULL_PCPUS, shy=shy,
+    if policy != SPREAD_PCPUS:
+        return pack(topology, cands, n, near, strict=policy == FULL_PCPUS, shy=shy,
                     level=level, classes=classes)
     paired: Collection[int]
     full: Collection[int]

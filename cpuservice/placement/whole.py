@@ -16,11 +16,9 @@ from cpuservice.model.errors import (
 from cpuservice.model.pools import Allocation, Fragment, Ledger
 from cpuservice.model.request import Options, Policy, Request
 from cpuservice.model.topology import Topology
+from cpuservice.model.vocab import FULL_PCPUS
 from cpuservice.placement.free import Free
 from cpuservice.placement.pack import _pick, whole_core_step
-
-# members read once (Python 3.11: EnumType.__getattr__ makes each read a slow lookup)
-_FULL_PCPUS = Policy.FULL_PCPUS
 
 
 def check_amount(ledger: Ledger, request: Request) -> None:
@@ -60,7 +58,7 @@ def bound_cpus(
         return _explicit(topology, ledger, request.cpuset), None
     opts = request.options
     n = request.whole
-    if opts.policy == _FULL_PCPUS:
+    if opts.policy == FULL_PCPUS:
         _check_policy(topology, request)
     free = Free(topology, ledger, opts, keep)
     fraction = request.fraction
